@@ -1,0 +1,1 @@
+"""Per-stream paged KV cache: device block pool, block tables, prefix sharing."""

@@ -1,0 +1,241 @@
+"""Per-stream block tables over a shared block pool, with plan-then-apply steps.
+
+Every stream (one sequence) owns a block table and attends only to its own
+KV. A step is planned first: `reserve` checks that every block the step will
+write fits, and only then takes them; if they do not fit it raises
+`KVCacheFull` and nothing has changed. After the forward pass succeeds,
+`commit` records the computed tokens and publishes newly full blocks to the
+prefix cache; if the forward raised, `rollback` returns the reserved blocks.
+Writes only ever touch a stream's private tail blocks (shared blocks are full
+and immutable), so a failed step cannot corrupt another stream's KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.hashing import ROOT_HASH, hash_block
+
+
+class KVCacheFull(Exception):
+    """The planned step needs more free blocks than the pool has; nothing was changed."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"step needs {needed} free KV blocks, {free} available")
+        self.needed = needed
+        self.free = free
+
+
+@dataclass
+class StreamState:
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is written and valid
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    num_cached_prompt: int = 0  # tokens served from the prefix cache on admission
+
+
+@dataclass
+class StreamStep:
+    """One stream's part of a step: compute KV up to position `target` (exclusive)."""
+
+    stream_id: str
+    token_ids: list[int]  # every token known for the stream so far
+    target: int
+
+
+@dataclass
+class PlannedStream:
+    stream_id: str
+    start: int  # first position computed in this step
+    target: int  # num_computed after the step
+    block_ids: list[int]  # the stream's full block table after reservation
+    new_blocks: list[int]  # blocks taken for this step (returned on rollback)
+    cached_blocks: list[int]  # prefix-cache blocks referenced for a new stream
+    is_new: bool
+    num_new_blocks: int = 0
+
+
+@dataclass
+class StepPlan:
+    streams: list[PlannedStream]
+    token_ids: dict[str, list[int]]
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.streams: dict[str, StreamState] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found cached
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def has_stream(self, stream_id: str) -> bool:
+        return stream_id in self.streams
+
+    def stream(self, stream_id: str) -> StreamState:
+        return self.streams[stream_id]
+
+    def block_table(self, stream_id: str) -> list[int]:
+        return self.streams[stream_id].block_ids
+
+    def num_computed(self, stream_id: str) -> int:
+        s = self.streams.get(stream_id)
+        return s.num_computed if s else 0
+
+    def cached_prefix(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        """Block ids holding the longest cached full-block prefix of `token_ids`.
+
+        `limit` caps the prefix length in tokens (a step must compute at least
+        the last prompt token to produce logits).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        n = len(token_ids) if limit is None else min(limit, len(token_ids))
+        out: list[int] = []
+        parent = ROOT_HASH
+        bs = self.block_size
+        for b in range(n // bs):
+            parent = hash_block(parent, token_ids[b * bs : (b + 1) * bs])
+            blk = self.pool.lookup(parent)
+            if blk is None:
+                break
+            out.append(blk)
+        return out
+
+    # ---- plan / apply --------------------------------------------------------------------
+    def reserve(self, steps: list[StreamStep]) -> StepPlan:
+        """Reserve every block the step writes, all or nothing."""
+        bs = self.block_size
+        planned: list[PlannedStream] = []
+        # blocks revived from the free-but-cached state reduce what is free for new blocks
+        revived: set[int] = set()
+        need_new = 0
+        seen: set[str] = set()
+        for st in steps:
+            if st.stream_id in seen:
+                raise ValueError(f"stream {st.stream_id!r} appears twice in one step")
+            seen.add(st.stream_id)
+            if not 0 < st.target <= len(st.token_ids):
+                raise ValueError(f"target {st.target} outside 1..{len(st.token_ids)}")
+            state = self.streams.get(st.stream_id)
+            if state is None:
+                cached = self.cached_prefix(st.token_ids, limit=st.target - 1)
+                start = len(cached) * bs
+                have = len(cached)
+                for b in cached:
+                    if self.pool.is_free(b):
+                        revived.add(b)
+                is_new = True
+            else:
+                if st.target <= state.num_computed:
+                    raise ValueError(
+                        f"stream {st.stream_id!r}: target {st.target} <= computed {state.num_computed}"
+                    )
+                cached = []
+                start = state.num_computed
+                have = len(state.block_ids)
+                is_new = False
+            n_new = max(0, self.blocks_needed(st.target) - have)
+            need_new += n_new
+            planned.append(
+                PlannedStream(st.stream_id, start, st.target, [], [], cached, is_new, n_new)
+            )
+        free_after_revive = self.pool.num_free - len(revived)
+        if need_new > free_after_revive:
+            raise KVCacheFull(need_new + len(revived), self.pool.num_free)
+
+        # apply: nothing below can fail for lack of space. Revive every prefix hit
+        # before allocating, so allocation cannot hand out a block another stream
+        # of this step is about to share.
+        for p in planned:
+            if p.is_new:
+                self.pool.touch(p.cached_blocks)
+                state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.start)
+                state.num_cached_prompt = p.start
+                state.block_hashes = self._hashes_of(p.cached_blocks)
+                self.streams[p.stream_id] = state
+                self.prefix_queries += p.target
+                self.prefix_hits += p.start
+        for p in planned:
+            state = self.streams[p.stream_id]
+            new = self.pool.allocate(p.num_new_blocks)
+            state.block_ids.extend(new)
+            p.new_blocks = new
+            p.block_ids = state.block_ids
+        return StepPlan(planned, {st.stream_id: st.token_ids for st in steps})
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step's KV is written: advance the streams and publish full blocks."""
+        bs = self.block_size
+        for p in plan.streams:
+            state = self.streams[p.stream_id]
+            state.num_computed = p.target
+            if not self.enable_prefix_caching:
+                continue
+            tokens = plan.token_ids[p.stream_id]
+            parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
+            for b in range(len(state.block_hashes), p.target // bs):
+                parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
+                state.block_hashes.append(parent)
+                self.pool.register(state.block_ids[b], parent)
+
+    def rollback(self, plan: StepPlan) -> None:
+        """The step failed: return its reserved blocks; computed KV stays as it was."""
+        for p in reversed(plan.streams):
+            state = self.streams.get(p.stream_id)
+            if state is None:
+                continue
+            if p.new_blocks:
+                del state.block_ids[len(state.block_ids) - len(p.new_blocks) :]
+                self.pool.unallocate(p.new_blocks)
+            if p.is_new:
+                self.pool.release(reversed(p.cached_blocks))
+                del self.streams[p.stream_id]
+                self.prefix_queries -= p.target
+                self.prefix_hits -= p.start
+
+    def free(self, stream_id: str) -> None:
+        """Release a stream's blocks (tail first, so its prefix stays cached longest)."""
+        state = self.streams.pop(stream_id, None)
+        if state is not None:
+            self.pool.release(reversed(state.block_ids))
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.evict_cached()
+
+    def _hashes_of(self, block_ids: list[int]) -> list[int]:
+        out = []
+        for b in block_ids:
+            h = self.pool.block_hash[b]
+            assert h is not None
+            out.append(h)
+        return out
+
+    # ---- accounting ----------------------------------------------------------------------
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_blocks
+        for sid, s in self.streams.items():
+            if len(s.block_ids) * self.block_size < s.num_computed:
+                raise AssertionError(f"stream {sid}: {s.num_computed} tokens in {len(s.block_ids)} blocks")
+            for b in s.block_ids:
+                refs[b] += 1
+        if refs != self.pool.ref_cnt:
+            raise AssertionError("block reference counts do not match the block tables")

@@ -1,0 +1,55 @@
+"""Engine settings: one pydantic model shared by the offline API, the CLI and the workers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class EngineConfig(BaseModel):
+    """Settings of one engine (one model on one device)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="GGUF file or HF directory; None = default model")
+    kv_cache_tokens: int = Field(32768, ge=16, description="device KV pool capacity in tokens")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA"
+    )
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    max_model_len: int | None = Field(
+        None, ge=1, description="cap on prompt + output tokens; default = the model's context"
+    )
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = Field(64, ge=1, description="streams batched together at most")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="token budget of one step (decodes plus prefill chunks)"
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None = all cores")
+    seed: int = 0
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not (v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
+    @property
+    def num_blocks(self) -> int:
+        return max(1, self.kv_cache_tokens // self.block_size)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"

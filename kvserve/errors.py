@@ -1,0 +1,20 @@
+"""Error types shared by all parts; each maps to a client-facing status later."""
+
+
+class KVServeError(Exception):
+    """Base class for kvserve errors."""
+
+
+class ModelLoadError(KVServeError):
+    """A model file or directory is missing, corrupt or unsupported.
+
+    The message always names the file and what is wrong with it.
+    """
+
+
+class InvalidRequestError(KVServeError, ValueError):
+    """A request's parameters or prompt are invalid (maps to HTTP 400 / INVALID_ARGUMENT)."""
+
+
+class OutOfKVCacheError(KVServeError):
+    """A request alone needs more KV blocks than the whole device pool holds."""

@@ -1,0 +1,85 @@
+"""Offline API: `LLM(model=None, **engine_settings).generate(...)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.outputs import RequestOutput
+from kvserve.sampling import SamplingParams
+
+
+class LLM:
+    """Runs a model in this process; `model=None` loads the embedded default model."""
+
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        from kvserve.workers.engine import LLMEngine
+
+        self.config = EngineConfig(model=model, **settings)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); outputs in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+            )
+            for c in convs
+        ]
+        return self.generate(prompts, params, use_tqdm)  # type: ignore[arg-type]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        wanted = set(ids)
+        while self.engine.has_unfinished() and len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

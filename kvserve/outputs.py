@@ -1,0 +1,34 @@
+"""Results returned to users of the offline API and, later, over the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    usage: Usage = field(default_factory=Usage)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

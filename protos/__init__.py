@@ -1,0 +1,1 @@
+"""kvserve.protos (later issues)."""

@@ -1,0 +1,1 @@
+"""kvserve.router (later issues)."""

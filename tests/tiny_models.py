@@ -1,0 +1,271 @@
+"""Tiny random models for tests: HF directories built with transformers, and GGUF files.
+
+The helpers deliberately do not use kvserve's loaders, so tests can compare
+kvserve's view of a model against an independent one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The real SmolLM2 vocabulary, so token ids line up with the real tokenizer.
+TINY_VOCAB_SIZE = 49152
+
+# transformers config classes by our architecture name
+_HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+# Llama 3.1's published rope scaling; "llama3" picks these in make_tiny_hf_model.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer() -> Any:
+    """The SmolLM2 tokenizer as transformers builds it from the default GGUF (slow: cached)."""
+    from transformers import AutoTokenizer
+
+    from kvserve.models import default_model
+
+    folder, name = os.path.split(default_model())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def save_tokenizer(path: str) -> None:
+    """Write tokenizer.json and tokenizer_config.json (with chat_template) into `path`."""
+    tokenizer = smollm2_tokenizer()
+    tokenizer.save_pretrained(path)
+    # transformers 5 writes the template to chat_template.jinja only; many published
+    # models carry it in tokenizer_config.json, so put it there as well.
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["chat_template"] = tokenizer.chat_template
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def tiny_hf_config(arch: str = "llama", **overrides: Any) -> Any:
+    """A small transformers config for `arch`; overrides are config keyword arguments."""
+    import transformers
+
+    if arch not in _HF_CLASSES:
+        raise ValueError(f"unknown arch {arch!r}")
+    kwargs: dict[str, Any] = {
+        "vocab_size": TINY_VOCAB_SIZE,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    kwargs.update(overrides)
+    return getattr(transformers, _HF_CLASSES[arch][0])(**kwargs)
+
+
+def make_tiny_hf_model(
+    path: str | os.PathLike[str],
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    rope_scaling: str | dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    max_shard_size: str | int | None = None,
+    with_tokenizer: bool = True,
+    **overrides: Any,
+) -> str:
+    """Write a tiny random float32 model directory for `arch` and return its path.
+
+    rope_scaling: None, "llama3" (Llama 3.1 values, theta 500000) or an HF-style dict.
+    max_shard_size: e.g. "1MB" to get sharded safetensors with an index.
+    overrides: config keyword arguments, e.g. tie_word_embeddings=True.
+    """
+    import transformers
+
+    if rope_scaling == "llama3":
+        rope_scaling, rope_theta = dict(LLAMA3_ROPE), 500000.0
+        # like Llama 3.1: the scaled context is `factor` times the original one
+        overrides.setdefault("max_position_embeddings", 65536)
+    rope = {"rope_type": "default"} if rope_scaling is None else dict(rope_scaling)
+    rope["rope_theta"] = rope_theta
+    config = tiny_hf_config(arch, rope_parameters=rope, **overrides)
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, _HF_CLASSES[arch][1])(config).eval()
+    with torch.no_grad():
+        # HF initialises norms to 1 and biases to 0; perturb everything so that a
+        # swapped or dropped tensor shows up in comparisons.
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    path = os.fspath(path)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    if with_tokenizer:
+        save_tokenizer(path)
+    return path
+
+
+# HF name (inside model.layers.{i}.) -> llama.cpp name (inside blk.{i}.)
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's tensor name for an HF Llama tensor name."""
+    if hf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp converter's Q/K row order: each head's two rotary halves interleaved."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def llama3_rope_freqs(hf_config: Any) -> np.ndarray:
+    """Per-dimension frequency divisors as llama.cpp stores them in rope_freqs.weight,
+    derived from transformers' own llama3 RoPE so the test does not restate the formula."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaled = LlamaRotaryEmbedding(hf_config).inv_freq.double()
+    base, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+    return (base.double() / scaled).numpy().astype(np.float32)
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    hf_dir: str,
+    qtype: Any = None,
+    *,
+    arch: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    drop_tensors: Iterable[str] = (),
+) -> str:
+    """Convert the HF model in `hf_dir` into a GGUF file the way llama.cpp lays it out.
+
+    qtype: gguf.GGMLQuantizationType for 2-D weights (F32 default); norms and biases
+    stay F32 as llama.cpp keeps them. arch: GGUF architecture; defaults to "llama"
+    for llama/mistral (as llama.cpp writes them) and "qwen2" for qwen2.
+    metadata: extra or replacement key/values; a None value removes a key.
+    drop_tensors: GGUF tensor names to leave out.
+    """
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    cfg = model.config
+    arch = arch or ("qwen2" if cfg.model_type == "qwen2" else "llama")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = dict(cfg.rope_parameters or {})
+
+    meta: dict[str, Any] = {
+        "general.name": os.path.basename(os.path.normpath(hf_dir)),
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
+        f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.rope.freq_base": float(rope.get("rope_theta", 10000.0)),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.vocab_size": cfg.vocab_size,
+        "tokenizer.ggml.bos_token_id": cfg.bos_token_id,
+        "tokenizer.ggml.eos_token_id": cfg.eos_token_id,
+    }
+    if rope.get("rope_type") == "linear":
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
+    meta.update(metadata or {})
+
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    for key, value in meta.items():
+        if value is None or key == "general.architecture":
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value) if value >= 0 else writer.add_int32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, list(value))
+
+    dropped = set(drop_tensors)
+    state = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # llama.cpp omits output.weight when tied
+    for hf_name, tensor in state.items():
+        name = gguf_name(hf_name)
+        if name in dropped:
+            continue
+        array = tensor.detach().numpy().astype(np.float32)
+        if arch in ("llama", "mistral") and hf_name.endswith("q_proj.weight"):
+            array = permute_qk(array, cfg.num_attention_heads)
+        elif arch in ("llama", "mistral") and hf_name.endswith("k_proj.weight"):
+            array = permute_qk(array, cfg.num_key_value_heads)
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    if rope.get("rope_type") == "llama3" and "rope_freqs.weight" not in dropped:
+        # llama.cpp keeps no llama3 metadata, only the precomputed per-dimension factors.
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return os.fspath(path)

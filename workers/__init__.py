@@ -1,0 +1,1 @@
+"""Model code, loaders, tokenizer, runner and sampler (the worker side)."""

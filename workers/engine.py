@@ -1,0 +1,151 @@
+"""LLMEngine: requests in, one scheduled step at a time, incremental outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.models import resolve_model
+from kvserve.outputs import RequestOutput
+from kvserve.sampling import SamplingParams
+from kvserve.workers.loader import load_model
+from kvserve.workers.runner import DTYPES, ModelRunner
+from kvserve.workers.sampler import Sampler, make_generator
+from kvserve.workers.scheduler import Scheduler
+from kvserve.workers.sequence import Sequence, Status
+from kvserve.workers.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model(config.model)
+        self.model_path = path
+        self.tokenizer: Tokenizer = load_tokenizer(path)
+        loaded = load_model(path, dtype=DTYPES[config.resolved_dtype()])
+        self.runner = ModelRunner(loaded, config)
+        self.model_config = loaded.config
+        self.max_model_len = self.runner.max_model_len
+        self.kv = self.runner.kv
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._ids = itertools.count()
+        self.generated_tokens = 0
+        self.prompt_tokens_computed = 0
+        self._t0 = time.monotonic()
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids, text = self._tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "tokens and at least one must be left for the output"
+            )
+        need = self.kv.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
+            raise OutOfKVCacheError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks; the cache holds "
+                f"{self.kv.num_blocks} (kv_cache_tokens={self.config.kv_cache_tokens})"
+            )
+        gen = make_generator(params.seed, self.runner.device)
+        seq = Sequence(
+            request_id, text, ids, params, self.tokenizer, gen,
+            min(self.max_model_len, self.kv.num_blocks * self.kv.block_size),
+            next(self._arrival),
+        )
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt), prompt
+        if not isinstance(prompt, list | tuple) or not prompt:
+            raise InvalidRequestError("prompt must be a non-empty string or list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary (0..{vocab - 1})")
+        return list(prompt), None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks at once (also mid-prefill)."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.abort()
+        self.scheduler.remove(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that produced tokens or finished."""
+        plan, seqs = self.scheduler.schedule()
+        if plan is None:
+            return []
+        logits = self.runner.run(plan)
+        rows, sample_seqs = [], []
+        for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
+            self.prompt_tokens_computed += p.target - p.start
+            if p.target == len(s.prompt_ids) + len(s.output_ids):
+                rows.append(i)
+                sample_seqs.append(s)
+        outputs: list[RequestOutput] = []
+        if not rows:
+            return outputs
+        sel = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
+        res = self.sampler(
+            sel,
+            [s.params for s in sample_seqs],
+            [s.prompt_ids for s in sample_seqs],
+            [s.output_ids for s in sample_seqs],
+            [s.generator for s in sample_seqs],
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        for j, s in enumerate(sample_seqs):
+            lp = res.logprobs[j] if res.logprobs is not None else None
+            top = res.top_logprobs[j] if res.top_logprobs is not None else None
+            s.append(res.token_ids[j], lp, top)
+            self.generated_tokens += 1
+            if s.status == Status.FINISHED:
+                self.scheduler.remove(s)
+                self.seqs.pop(s.request_id, None)
+            outputs.append(s.to_output())
+        return outputs
+
+    def stats(self) -> dict[str, float | int]:
+        elapsed = max(1e-9, time.monotonic() - self._t0)
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": self.kv.pool.num_used,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "prefix_cache_hit_rate": self.kv.prefix_hit_rate(),
+            "generation_tokens_per_s": self.generated_tokens / elapsed,
+        }
