@@ -42,16 +42,29 @@ class BlockPool:
         return self.ref_cnt[block_id] == 0
 
     # ---- mutations -----------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (dropping any cached content they held)."""
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take `n` free blocks (dropping any cached content they held).
+
+        With `after` (a stream's last block), the block right behind it is taken
+        when it is free and holds no cached prefix: a stream whose blocks stay
+        consecutive is read as one view and moved as one slice.
+        """
         if n > len(self.free_queue):
             raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
         out: list[int] = []
+        prev = after
         for _ in range(n):
-            b, _ = self.free_queue.popitem(last=False)
-            self._drop_hash(b)
+            nxt = None if prev is None else prev + 1
+            if nxt is not None and nxt < self.num_blocks and nxt in self.free_queue \
+                    and self.block_hash[nxt] is None:
+                del self.free_queue[nxt]
+                b = nxt
+            else:
+                b, _ = self.free_queue.popitem(last=False)
+                self._drop_hash(b)
             self.ref_cnt[b] = 1
             out.append(b)
+            prev = b
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -172,7 +172,8 @@ class KVCacheManager:
                 self.prefix_hits += p.start
         for p in planned:
             state = self.streams[p.stream_id]
-            new = self.pool.allocate(p.num_new_blocks)
+            last = state.block_ids[-1] if state.block_ids else None
+            new = self.pool.allocate(p.num_new_blocks, after=last)
             state.block_ids.extend(new)
             p.new_blocks = new
             p.block_ids = state.block_ids

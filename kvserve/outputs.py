@@ -28,6 +28,9 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     usage: Usage = field(default_factory=Usage)
+    # what this step added, for streaming: new tokens and the text safe to show
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
 
     @property
     def finished(self) -> bool:

@@ -134,7 +134,7 @@ class LLMEngine:
             if s.status == Status.FINISHED:
                 self.scheduler.remove(s)
                 self.seqs.pop(s.request_id, None)
-            outputs.append(s.to_output())
+            outputs.append(s.to_output(delta_tokens=1))
         return outputs
 
     def stats(self) -> dict[str, float | int]:

@@ -13,8 +13,8 @@ skipped entirely when none does):
    top-k/top-p/min-p, which are choices of how to draw rather than of what the model thinks
    (vLLM likewise returns unprocessed logprobs by default);
 4. greedy rows take the argmax; random rows divide by temperature, apply top-k, top-p,
-   min-p, and draw with the exponential race: argmax(p / q), q ~ Exp(1) i.i.d., picks token
-   i with probability p_i. A seeded row draws its q from its own generator, one fixed-size
+   min-p, and draw with the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks
+   token i with probability p_i. A seeded row draws its q from its own generator, one fixed-size
    draw per step, so its tokens do not depend on what else is in the batch.
 """
 
@@ -32,7 +32,8 @@ from kvserve.sampling import SamplingParams
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[float] | None  # chosen token's logprob per row; None if no row asked
+    # chosen token's logprob, for every row once any row asked for logprobs; else None
+    logprobs: list[float] | None
     # per row, top-n (id, logprob) best first; an empty list for rows that did not ask;
     # None if no row asked for n >= 1
     top_logprobs: list[list[tuple[int, float]]] | None
@@ -73,6 +74,12 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         eos_token_ids: Sequence[int] | None = None,
     ) -> SamplerOutput:
+        """Pick one token per row of `logits`.
+
+        `generators[i]` is row i's own generator (see make_generator), made once per request
+        and passed again every step; rows with None draw from this sampler's shared one.
+        `eos_token_ids` are banned for rows with ignore_eos or still short of min_tokens.
+        """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         B, V = logits.shape

@@ -113,7 +113,8 @@ class Sequence:
         self.emitted = end
         return delta
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, delta_tokens: int = 0) -> RequestOutput:
+        """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -125,4 +126,6 @@ class Sequence:
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
             usage=Usage(len(self.prompt_ids), self.num_cached_prompt, len(self.output_ids)),
+            delta_token_ids=self.output_ids[len(self.output_ids) - delta_tokens :] if delta_tokens else [],
+            delta_text=self.text_delta(),
         )

@@ -1,0 +1,152 @@
+"""The transformers baseline of `kvserve bench offline`: the same prompts through HF's
+static-batch `generate` and, where this transformers has it, continuous-batching
+`generate_batch`, in float32 on the same threads."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kvserve.bench import figures, identical, progress_bar
+from kvserve.models import resolve_model
+
+
+def load_hf_model(model: str | None) -> Any:
+    """The same weights kvserve runs, as a transformers float32 model (no hub access)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(model)
+    if path.endswith(".gguf"):
+        # transformers dequantizes GGUF weights to the requested dtype, as kvserve does
+        folder, name = os.path.split(path)
+        m = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return m.eval()
+
+
+def _eos_ids(model: Any) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class _StepMeter:
+    """A stopping criterion that never stops: it counts tokens into a progress bar and
+    notes when the first token of the batch was chosen (the end of prefill)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.bar.update(input_ids.shape[0])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_generate(
+    model: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """`model.generate` on the whole batch: prompts are equal-length, so no padding."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    eos = _eos_ids(model)
+    pad = eos[0] if eos else 0
+
+    def config(new: int) -> Any:
+        # min_new_tokens = max_new_tokens: EOS is banned throughout (as kvserve's min_tokens),
+        # so every row generates exactly `new` tokens
+        return GenerationConfig(
+            do_sample=False, max_new_tokens=new, min_new_tokens=new,
+            eos_token_id=eos or None, pad_token_id=pad,
+        )
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    if args.warmup:
+        n = min(4, len(prompts))
+        model.generate(ids[:n], attention_mask=mask[:n], generation_config=config(4))
+    total = len(prompts) * args.output_len
+    with progress_bar(args.progress, total, "hf generate") as bar:
+        meter = _StepMeter(bar)
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=mask, generation_config=config(args.output_len),
+            stopping_criteria=StoppingCriteriaList([meter]),
+        )
+        elapsed = time.perf_counter() - t0
+    tokens = out[:, ids.shape[1]:].tolist()
+    res = figures(elapsed, prompts, tokens)
+    if meter.first is not None:
+        res["prefill_s"] = meter.first - t0
+        res["decode_s"] = elapsed - res["prefill_s"]
+    return res, tokens
+
+
+def run_generate_batch(
+    model: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """HF continuous batching (`generate_batch`, paged KV cache), with its default config."""
+    from transformers import GenerationConfig
+
+    eos = _eos_ids(model)
+
+    def config(new: int) -> Any:
+        # eos_token_id=-1 is CB's "never stop on EOS"; suppressing the EOS ids keeps the
+        # greedy choice the same as the other runs (which ban EOS too)
+        return GenerationConfig(
+            do_sample=False, max_new_tokens=new, eos_token_id=-1,
+            pad_token_id=eos[0] if eos else 0, suppress_tokens=eos or None,
+        )
+
+    if args.warmup:
+        model.generate_batch(inputs=prompts[: min(4, len(prompts))], generation_config=config(4))
+    t0 = time.perf_counter()
+    # the manager (KV cache allocation, its thread) is set up per call, so it is timed too
+    results = model.generate_batch(
+        inputs=prompts, generation_config=config(args.output_len), progress_bar=args.progress
+    )
+    elapsed = time.perf_counter() - t0
+    outs = list(results.values())  # in input order
+    failed = [o.error for o in outs if o.error is not None]
+    if len(outs) != len(prompts) or failed:
+        raise RuntimeError(f"{len(outs)} of {len(prompts)} results; errors: {failed[:1]}")
+    tokens = [list(o.generated_tokens) for o in outs]
+    return figures(elapsed, prompts, tokens), tokens
+
+
+def run_hf_baselines(
+    args: argparse.Namespace, prompts: list[list[int]]
+) -> Iterator[tuple[str, dict[str, Any], list[list[int]] | None]]:
+    """Yield (name, figures, tokens) per baseline; a baseline that cannot run yields its
+    error and None, so the others still report."""
+    t0 = time.perf_counter()
+    model = load_hf_model(args.model)
+    load_s = time.perf_counter() - t0
+    gen_res, gen_tokens = run_generate(model, prompts, args)
+    gen_res["load_s"] = load_s
+    yield "hf_generate", gen_res, gen_tokens
+    if not hasattr(model, "generate_batch"):
+        yield "hf_generate_batch", {"error": "this transformers has no generate_batch"}, None
+        return
+    try:
+        cb_res, cb_tokens = run_generate_batch(model, prompts, args)
+    except Exception as e:  # report why it cannot run here, keep the other figures
+        traceback.print_exc()
+        yield "hf_generate_batch", {"error": f"{type(e).__name__}: {e}"}, None
+        return
+
+    cb_res["hf_generate_match"] = identical(gen_tokens, cb_tokens)
+    yield "hf_generate_batch", cb_res, cb_tokens

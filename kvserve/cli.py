@@ -1,0 +1,147 @@
+"""The `kvserve` command line: generate, chat (and, in later issues, serve and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DEFAULT_SYSTEM = None
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="device KV pool capacity in tokens")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _settings(a: argparse.Namespace) -> dict[str, Any]:
+    keys = {
+        "kv_cache_tokens": a.kv_cache_tokens, "block_size": a.block_size, "dtype": a.dtype,
+        "device": a.device, "max_model_len": a.max_model_len, "num_threads": a.threads,
+    }
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def _params(a: argparse.Namespace):
+    from kvserve.sampling import parse_sampling_params
+
+    return parse_sampling_params({
+        "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
+        "top_k": a.top_k, "min_p": a.min_p, "repetition_penalty": a.repetition_penalty,
+        "seed": a.seed, "stop": a.stop, "ignore_eos": a.ignore_eos,
+    })
+
+
+def _stream(llm, prompt_ids: list[int], params) -> str:
+    """Print one request's text as it is generated; return the full text."""
+    eng = llm.engine
+    rid = eng.add_request(prompt_ids, params)
+    text = ""
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id != rid:
+                continue
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            text += out.delta_text
+            if out.finished:
+                sys.stdout.write("\n")
+                return text
+    return text
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    params = _params(a)
+    llm = LLM(model=a.model, **_settings(a))
+    ids = llm.tokenizer.encode(a.prompt)
+    _stream(llm, ids, params)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    params = _params(a)
+    llm = LLM(model=a.model, **_settings(a))
+    messages: list[dict[str, str]] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    turns = [" ".join(a.message)] if a.message else None
+    interactive = turns is None
+    if interactive:
+        print("kvserve chat: type a message, empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+        else:
+            if not turns:
+                break
+            line = turns.pop(0)
+        messages.append({"role": "user", "content": line})
+        ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        reply = _stream(llm, ids, params)  # type: ignore[arg-type]
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description="LLM serving with per-stream paged KV caches")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete a prompt with the model (offline)")
+    g.add_argument("--prompt", required=True)
+    _engine_args(g)
+    _sampling_args(g, max_tokens=128)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="chat with the model through its chat template (offline)")
+    c.add_argument("message", nargs="*", help="the user message; none = interactive")
+    c.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt (default: the template's)")
+    _engine_args(c)
+    _sampling_args(c, max_tokens=256)
+    c.set_defaults(func=cmd_chat)
+    from kvserve.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.errors import KVServeError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KVServeError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Shared fixtures: the default model loaded once per session (kvserve and transformers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> str:
+    from kvserve.models import default_model
+
+    return default_model()
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    """transformers' own load of the default GGUF: the correctness oracle."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smol_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smol_path):
+    """One kvserve LLM on the default model, shared by tests that leave it idle afterwards."""
+    from kvserve import LLM
+
+    return LLM(smol_path, kv_cache_tokens=16384)
