@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 # Prompt ids stay this far from both ends of the vocabulary: special and control tokens sit
@@ -96,30 +97,58 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def figures(elapsed: float, prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, Any]:
-    """The throughput figures every run reports, from what it actually generated."""
+@dataclass
+class Timer:
+    """Wall and process CPU time of one timed section."""
+
+    t0: float = 0.0
+    cpu0: float = 0.0
+    elapsed: float = 0.0
+    cpu: float = 0.0
+
+    def __enter__(self) -> Timer:
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.elapsed = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.cpu0
+
+
+def figures(
+    timer: Timer, prompts: list[list[int]], outputs: list[list[int]], elapsed: float | None = None
+) -> dict[str, Any]:
+    """The throughput figures every run reports, from what it actually generated; `elapsed`
+    replaces the timer's wall time where the run's own timestamps are more exact."""
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o) for o in outputs)
+    wall = timer.elapsed if elapsed is None else elapsed
     return {
         "requests": len(prompts),
         "input_tokens": n_in,
         "output_tokens": n_out,
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": n_out / elapsed,
-        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "elapsed_s": wall,
+        "output_tokens_per_s": n_out / wall,
+        "total_tokens_per_s": (n_in + n_out) / wall,
+        # CPU seconds per wall second: well below the thread count means the run did not get
+        # its cores (other load on the machine), and its figures are not representative
+        "cpu_per_wall": timer.cpu / timer.elapsed,
     }
 
 
 def identical(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     """How many sequences agree exactly, and the mean length of the agreeing prefixes."""
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    prefix = []
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        prefix.append(n)
-    return {"identical": same, "of": len(a), "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
+    pairs = list(zip(a, b, strict=True))
+    # zip stops at the shorter sequence: a length difference is a mismatch past the prefix
+    prefix = [
+        next((i for i, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), min(len(x), len(y)))
+        for x, y in pairs
+    ]
+    return {
+        "identical": sum(x == y for x, y in pairs),
+        "of": len(pairs),
+        "mean_common_prefix": sum(prefix) / max(1, len(prefix)),
+    }
 
 
 def progress_bar(enabled: bool, total: int, desc: str) -> Any:
@@ -157,13 +186,15 @@ def _prefill_left(engine: Any) -> bool:
     return bool(engine.scheduler.waiting) or any(not s.output_ids for s in engine.scheduler.running)
 
 
-def run_kvserve(args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], list[list[int]]]:
+def run_kvserve(
+    args: argparse.Namespace, threads: int
+) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
+    """Time LLM.generate on the random prompts; returns (figures, prompts, output ids)."""
     from kvserve.llm import LLM
     from kvserve.sampling import SamplingParams
 
-    settings: dict[str, Any] = {"num_threads": threads}
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, **settings)
+    llm = LLM(model=args.model, num_threads=threads)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
@@ -178,33 +209,29 @@ def run_kvserve(args: argparse.Namespace, threads: int) -> tuple[dict[str, Any],
         llm.generate(warm, params.model_copy(update={"max_tokens": 4, "min_tokens": 4}))
     total = args.num_prompts * args.output_len
     with progress_bar(args.progress, total, "kvserve") as bar:
-        with _metered_steps(llm.engine, bar.update) as marks:
-            t0 = time.perf_counter()
+        with _metered_steps(llm.engine, bar.update) as marks, Timer() as timer:
             outs = llm.generate(prompts, params)
-            elapsed = time.perf_counter() - t0
     tokens = [o.token_ids for o in outs]
-    res = figures(elapsed, prompts, tokens)
+    res = figures(timer, prompts, tokens)
     res["load_s"] = load_s
     res["cached_prompt_tokens"] = sum(o.usage.cached_tokens for o in outs)
     if "all_first_tokens" in marks:
-        res["prefill_s"] = marks["all_first_tokens"] - t0
-        res["decode_s"] = elapsed - res["prefill_s"]
-    res["prompts"] = prompts
-    return res, tokens
+        res["prefill_s"] = marks["all_first_tokens"] - timer.t0
+        res["decode_s"] = timer.elapsed - res["prefill_s"]
+    return res, prompts, tokens
 
 
 # ---- the command ---------------------------------------------------------------------------
 def cmd_offline(args: argparse.Namespace) -> int:
     import torch
 
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
+    for name in ("num_prompts", "input_len", "output_len", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"kvserve bench: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     threads = args.threads or available_cores()
     torch.set_num_threads(threads)
-    kv, kv_tokens = run_kvserve(args, threads)
-    prompts = kv.pop("prompts")
+    kv, prompts, kv_tokens = run_kvserve(args, threads)
     report: dict[str, Any] = {
         "benchmark": "offline",
         "workload": {
@@ -240,7 +267,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"{w['output_len']} tokens each, greedy, EOS ignored")
     rows = [("kvserve", kv)] + list(r["baselines"].items())
     print(f"{'engine':<20}{'requests':>9}{'in tok':>8}{'out tok':>8}{'elapsed s':>11}"
-          f"{'out tok/s':>11}{'total tok/s':>13}{'kvserve x':>11}{'same':>8}")
+          f"{'out tok/s':>11}{'total tok/s':>13}{'kvserve x':>11}{'same':>8}{'cpu/wall':>10}")
     for name, res in rows:
         if "error" in res:
             print(f"{name:<20}  not run: {res['error']}")
@@ -248,12 +275,20 @@ def print_report(r: dict[str, Any]) -> None:
         ratio = f"{res['speedup_kvserve']:.2f}" if "speedup_kvserve" in res else ""
         match = res.get("kvserve_match")
         same = f"{match['identical']}/{match['of']}" if match else ""
+        util = f"{res['cpu_per_wall']:.2f}" if "cpu_per_wall" in res else "-"
         print(f"{name:<20}{res['requests']:>9}{res['input_tokens']:>8}{res['output_tokens']:>8}"
               f"{res['elapsed_s']:>11.2f}{res['output_tokens_per_s']:>11.1f}"
-              f"{res['total_tokens_per_s']:>13.1f}{ratio:>11}{same:>8}")
+              f"{res['total_tokens_per_s']:>13.1f}{ratio:>11}{same:>8}{util:>10}")
     for name, res in rows:
         if "prefill_s" in res:
             print(f"{name}: prefill (all first tokens) {res['prefill_s']:.2f} s, "
                   f"decode {res['decode_s']:.2f} s")
+        if "call_s" in res:
+            print(f"{name}: whole call {res['call_s']:.2f} s with its per-call cache setup "
+                  f"and warm-up (cpu/wall {res['call_cpu_per_wall']:.2f})")
+    busy = [n for n, res in rows if res.get("cpu_per_wall", m["torch_threads"]) < 0.8 * m["torch_threads"]]
+    if busy:
+        print(f"warning: {', '.join(busy)} got less CPU than its {m['torch_threads']} threads "
+              "(cpu/wall); other load on the machine? re-run on a quiet machine")
     if kv.get("cached_prompt_tokens"):
         print(f"note: kvserve served {kv['cached_prompt_tokens']} prompt tokens from its prefix cache")

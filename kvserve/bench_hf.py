@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvserve.bench import figures, identical, progress_bar
+from kvserve.bench import Timer, figures, identical, progress_bar
 from kvserve.models import resolve_model
 
 
@@ -81,17 +81,16 @@ def run_generate(
     total = len(prompts) * args.output_len
     with progress_bar(args.progress, total, "hf generate") as bar:
         meter = _StepMeter(bar)
-        t0 = time.perf_counter()
-        out = model.generate(
-            ids, attention_mask=mask, generation_config=config(args.output_len),
-            stopping_criteria=StoppingCriteriaList([meter]),
-        )
-        elapsed = time.perf_counter() - t0
+        with Timer() as timer:
+            out = model.generate(
+                ids, attention_mask=mask, generation_config=config(args.output_len),
+                stopping_criteria=StoppingCriteriaList([meter]),
+            )
     tokens = out[:, ids.shape[1]:].tolist()
-    res = figures(elapsed, prompts, tokens)
+    res = figures(timer, prompts, tokens)
     if meter.first is not None:
-        res["prefill_s"] = meter.first - t0
-        res["decode_s"] = elapsed - res["prefill_s"]
+        res["prefill_s"] = meter.first - timer.t0
+        res["decode_s"] = timer.elapsed - res["prefill_s"]
     return res, tokens
 
 
@@ -113,18 +112,28 @@ def run_generate_batch(
 
     if args.warmup:
         model.generate_batch(inputs=prompts[: min(4, len(prompts))], generation_config=config(4))
-    t0 = time.perf_counter()
-    # the manager (KV cache allocation, its thread) is set up per call, so it is timed too
-    results = model.generate_batch(
-        inputs=prompts, generation_config=config(args.output_len), progress_bar=args.progress
-    )
-    elapsed = time.perf_counter() - t0
+    with Timer() as timer:
+        results = model.generate_batch(
+            inputs=prompts, generation_config=config(args.output_len),
+            progress_bar=args.progress, record_timestamps=True,
+        )
     outs = list(results.values())  # in input order
     failed = [o.error for o in outs if o.error is not None]
     if len(outs) != len(prompts) or failed:
         raise RuntimeError(f"{len(outs)} of {len(prompts)} results; errors: {failed[:1]}")
     tokens = [list(o.generated_tokens) for o in outs]
-    return figures(elapsed, prompts, tokens), tokens
+    # Each call builds a fresh manager: it sizes and allocates a paged cache from free RAM and
+    # runs its own warm-up before taking requests. The figures time the generation itself,
+    # from the first request's arrival to the last one's end; call_s includes the setup.
+    start = min(o.created_time for o in outs)
+    res = figures(timer, prompts, tokens, elapsed=max(o.lifespan[1] for o in outs) - start)
+    res["call_s"] = timer.elapsed
+    # process CPU time cannot be split between setup and generation: report it for the call
+    res["call_cpu_per_wall"] = res.pop("cpu_per_wall")
+    if all(o.timestamps for o in outs):
+        res["prefill_s"] = max(o.timestamps[0] for o in outs) - start  # type: ignore[index]
+        res["decode_s"] = res["elapsed_s"] - res["prefill_s"]
+    return res, tokens
 
 
 def run_hf_baselines(

@@ -28,6 +28,12 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="token budget of one step (decodes plus prefill chunks)"
     )
+    preemption_policy: Literal["newest", "least_computed", "largest"] = Field(
+        "newest", description="which running stream gives up its KV when a step does not fit"
+    )
+    admission_lookahead_tokens: int = Field(
+        128, ge=0, description="free KV kept per running stream when admitting new prompts"
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None = all cores")
     seed: int = 0
 

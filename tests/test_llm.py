@@ -126,11 +126,29 @@ def test_preemption_keeps_outputs_identical(smol_path, smol_llm: LLM):
                enumerate(["rome", "tea", "paper", "glass", "iron", "salt", "silk", "rice"])]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in smol_llm.generate(prompts, params)]
-    small = LLM(smol_path, kv_cache_tokens=160, block_size=16)
+    # no admission headroom: the scheduler over-admits and must preempt
+    small = LLM(smol_path, kv_cache_tokens=160, block_size=16, admission_lookahead_tokens=0)
     outs = small.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert small.engine.scheduler.num_preemptions > 0
     assert_idle(small)
+    for policy in ("least_computed", "largest"):
+        other = LLM(smol_path, kv_cache_tokens=160, block_size=16, admission_lookahead_tokens=0,
+                    preemption_policy=policy)
+        assert [o.token_ids for o in other.generate(prompts[:4], params)] == ref[:4]
+        assert_idle(other)
+
+
+def test_priority_then_fcfs(smol_path):
+    llm = LLM(smol_path, kv_cache_tokens=1024, max_num_seqs=1)
+    eng = llm.engine
+    p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for rid, prio in [("low", 5), ("first", 0), ("second", 0), ("mid", 1)]:
+        eng.add_request("Hello", p, request_id=rid, priority=prio)
+    order = []
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["first", "second", "mid", "low"]
 
 
 def test_abort_frees_blocks_mid_prefill_and_decode(smol_path):

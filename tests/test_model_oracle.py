@@ -9,6 +9,7 @@ from tiny_models import make_tiny_hf_model
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kvcache.manager import StreamStep
+from kvserve.workers.attention_torch import TorchAttention
 from kvserve.workers.loader import load_model
 from kvserve.workers.runner import ModelRunner
 
@@ -78,7 +79,8 @@ def test_smollm2_greedy_matches_transformers(smol_llm: LLM, hf_smol):
         assert out.finish_reason == "length"
 
 
-def test_isolation_alone_vs_packed(smol_path):
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c-decode-kernel", "sdpa-only"])
+def test_isolation_alone_vs_packed(smol_path, c_kernel):
     """A stream's logits are the same alone or packed with 15 streams of other lengths."""
     loaded = load_model(smol_path)
     g = torch.Generator().manual_seed(1)
@@ -88,11 +90,14 @@ def test_isolation_alone_vs_packed(smol_path):
 
     target = rand(48)  # three full blocks: the decode token opens a fourth
     alone = ModelRunner(loaded, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=False))
+    alone.attn = TorchAttention(use_kernel=c_kernel)
     _, ref_prefill = alone.execute([StreamStep("t", target, len(target))])
     ext = target + [int(ref_prefill[0].argmax())]
     _, ref_decode = alone.execute([StreamStep("t", ext, len(ext))])
 
     packed = ModelRunner(loaded, EngineConfig(kv_cache_tokens=8192, enable_prefix_caching=False))
+    packed.attn = TorchAttention(use_kernel=c_kernel)
+    assert (packed.attn.kernel is not None) == c_kernel, "the C kernel failed to build"
     others = {f"o{i}": rand(3 + 23 * i) for i in range(15)}
     # half the neighbours are already decoding, so the step mixes prefill and decode
     # and the target's blocks end up interleaved with theirs (a gathered, not viewed, table)

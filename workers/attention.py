@@ -54,12 +54,16 @@ class AttentionBackend(Protocol):
         """Write the new K/V into the streams' blocks, then attend."""
 
 
-def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """'torch' always works; 'flash' needs CUDA and vllm-flash-attn; 'auto' prefers flash."""
     from kvserve.workers.attention_torch import TorchAttention
 
+    # the C decode kernel covers float32 on the CPU; everything else stays in torch
+    use_kernel = device.type == "cpu" and dtype == torch.float32
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(use_kernel)
     want_flash = name == "flash" or (name == "auto" and device.type == "cuda")
     if want_flash:
         try:
@@ -70,4 +74,4 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
             if name == "flash":
                 raise RuntimeError(f"attention backend 'flash' unavailable: {e}") from e
             log.info("vllm-flash-attn not usable (%s); using torch attention", e)
-    return TorchAttention()
+    return TorchAttention(use_kernel)

@@ -1,10 +1,11 @@
-"""Torch attention backend: one SDPA call per stream over its own KV.
+"""Torch attention backend (CPU and CUDA), reading each stream's own KV only.
 
-Measured on the 2-core CPU (see docs/benchmarks.md): gathering every stream
-into a padded batch makes each stream pay for the longest one and copies the
-KV once more per step; per-stream SDPA reads each stream's blocks in place
-when they are consecutive in the pool (a zero-copy view) and gathers only
-scattered tables, at the price of a Python call per stream and layer.
+Decode tokens (one query per stream) on the CPU go to a small C kernel
+(csrc/paged_decode.c) that walks every stream's block table in place, all
+streams in one call per layer. Prefill chunks, and decode where the kernel is
+unavailable, use one SDPA call per stream: a zero-copy view of the stream's KV
+when its blocks are consecutive in the pool, else a gather of its blocks.
+docs/design.md has the measurements behind this split.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ class _StreamPlan:
     causal: bool  # plain causal mask (chunk starts at position 0)
 
 
+@dataclass
+class _StepPlan:
+    sdpa: list[_StreamPlan]  # streams attended with SDPA
+    dec_rows: torch.Tensor | None  # query rows handled by the C kernel (None = all rows)
+    dec_tables: torch.Tensor | None  # [n, max_blocks] int32
+    dec_lens: torch.Tensor | None  # [n] int32
+    all_decode: bool
+
+
 def _is_run(blocks: list[int]) -> bool:
     return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
@@ -36,13 +46,31 @@ def _is_run(blocks: list[int]) -> bool:
 class TorchAttention:
     name = "torch"
 
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.kernel = None
+        if use_kernel:
+            from kvserve.workers.cpu_kernels import load_paged_decode
+
+            self.kernel = load_paged_decode()
+        self.threads = torch.get_num_threads()
+
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         bs = meta.block_size
+        use_kernel = self.kernel is not None and device.type == "cpu"
         plans: list[_StreamPlan] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
         q0 = 0
         for qlen, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables, strict=True):
             seq = ctx + qlen
             used = table[: -(-seq // bs)]
+            if qlen == 1 and use_kernel:
+                dec_rows.append(q0)
+                dec_tables.append(used)
+                dec_lens.append(seq)
+                q0 += 1
+                continue
             if _is_run(used):
                 first, blocks = used[0] * bs, None
             else:
@@ -56,7 +84,17 @@ class TorchAttention:
                     mask = torch.arange(seq, device=device).unsqueeze(0) <= qpos
             plans.append(_StreamPlan(q0, q0 + qlen, seq, first, blocks, mask, causal))
             q0 += qlen
-        meta.prepared = plans
+        step = _StepPlan(plans, None, None, None, all_decode=not plans)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            tab = torch.zeros(len(dec_tables), width, dtype=torch.int32)
+            for i, t in enumerate(dec_tables):
+                tab[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            step.dec_tables = tab
+            step.dec_lens = torch.tensor(dec_lens, dtype=torch.int32)
+            if plans:
+                step.dec_rows = torch.tensor(dec_rows, dtype=torch.long)
+        meta.prepared = step
 
     def forward(
         self,
@@ -69,12 +107,15 @@ class TorchAttention:
     ) -> torch.Tensor:
         cache.write(layer, meta.slot_mapping, k, v)
         kc, vc = cache.layer(layer)
+        step: _StepPlan = meta.prepared
+        out = torch.empty_like(q)
+        if step.dec_tables is not None:
+            self._decode_kernel(q, kc, vc, out, step)
         h, d = cache.num_kv_heads, cache.head_dim
         hq = q.shape[1]
         rep = hq // h
         kflat, vflat = kc.view(-1, h, d), vc.view(-1, h, d)
-        out = torch.empty_like(q)
-        for p in meta.prepared:
+        for p in step.sdpa:
             if p.blocks is None:
                 ks = kflat[p.first_slot : p.first_slot + p.seq_len]
                 vs = vflat[p.first_slot : p.first_slot + p.seq_len]
@@ -104,3 +145,23 @@ class TorchAttention:
             )
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
+
+    def _decode_kernel(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                       out: torch.Tensor, step: _StepPlan) -> None:
+        tab, lens = step.dec_tables, step.dec_lens
+        assert tab is not None and lens is not None and self.kernel is not None
+        if step.dec_rows is None:
+            qd, od = q.contiguous(), out
+        else:
+            qd = q.index_select(0, step.dec_rows)
+            od = torch.empty_like(qd)
+        n, hq, d = qd.shape
+        _, bs, hkv, _ = kc.shape
+        rc = self.kernel.paged_decode_f32(
+            qd.data_ptr(), kc.data_ptr(), vc.data_ptr(), od.data_ptr(), tab.data_ptr(),
+            lens.data_ptr(), n, tab.shape[1], hq, hkv, d, bs, d**-0.5, torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"paged decode kernel rejected the geometry (heads {hq}/{hkv}, dim {d})")
+        if step.dec_rows is not None:
+            out.index_copy_(0, step.dec_rows, od)

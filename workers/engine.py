@@ -34,7 +34,10 @@ class LLMEngine:
         self.model_config = loaded.config
         self.max_model_len = self.runner.max_model_len
         self.kv = self.runner.kv
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+            config.preemption_policy, config.admission_lookahead_tokens,
+        )
         self.sampler = Sampler(config.seed)
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
@@ -49,32 +52,50 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
+        """Validate and queue a request; raises InvalidRequestError / OutOfKVCacheError.
+
+        `priority`: lower values are scheduled first; equal priorities are FCFS.
+        """
+        seq = self.make_sequence(prompt, params, request_id, priority)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def make_sequence(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        """Validate and tokenize without touching the scheduler (safe from any thread)."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids, text = self._tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                 "tokens and at least one must be left for the output"
             )
-        need = self.kv.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
         if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
             raise OutOfKVCacheError(
-                f"prompt of {len(ids)} tokens needs {need} KV blocks; the cache holds "
-                f"{self.kv.num_blocks} (kv_cache_tokens={self.config.kv_cache_tokens})"
+                f"prompt of {len(ids)} tokens needs {self.kv.blocks_needed(len(ids) + 1)} KV "
+                f"blocks; the cache holds {self.kv.num_blocks} "
+                f"(kv_cache_tokens={self.config.kv_cache_tokens})"
             )
         gen = make_generator(params.seed, self.runner.device)
-        seq = Sequence(
-            request_id, text, ids, params, self.tokenizer, gen,
-            min(self.max_model_len, self.kv.num_blocks * self.kv.block_size),
-            next(self._arrival),
+        # a stream can never outgrow the pool: cap its length there (finish "length")
+        cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+        return Sequence(
+            request_id, text, ids, params, self.tokenizer, gen, cap, next(self._arrival), priority
         )
-        self.seqs[request_id] = seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -41,7 +41,7 @@ class ModelRunner:
             cfg.num_layers, config.num_blocks, config.block_size,
             cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
         )
-        self.attn = select_backend(config.attention_backend, self.device, config.block_size)
+        self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
         log.info("attention backend: %s", self.attn.name)
 
     def execute(self, steps: list[StreamStep]) -> tuple[StepPlan, torch.Tensor]:

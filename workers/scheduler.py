@@ -1,32 +1,63 @@
 """Batch planning: which streams run this step and how far, with KV reserved up front.
 
 Every step decodes one token for each running stream and fills the rest of the
-token budget with (chunked) prefill of waiting prompts, first come first served.
-The plan is reserved in the KV cache as a whole; if it does not fit, newly
-admitted prompts are dropped from it first, then the newest running stream is
-preempted (its blocks freed, kept as prefix cache) and re-queued at the head,
-to be recomputed from its prompt and generated tokens when space frees.
+token budget (`max_num_batched_tokens`) with chunked prefill of waiting prompts,
+in priority then arrival order (FCFS when all priorities are equal).
+
+Admission keeps headroom: a prompt is admitted only if, after its blocks, enough
+free blocks remain for the running streams' next `admission_lookahead` tokens,
+so running out of KV mid-generation is rare. When a step still does not fit,
+the whole plan is retried without the newest admissions, then a running stream
+chosen by the preemption policy is preempted: its blocks are freed (they stay
+in the prefix cache) and it goes back to the head of the queue, to be recomputed
+from its prompt and generated tokens when space frees.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from collections.abc import Callable
 
 from kvserve.kvcache.manager import KVCacheFull, KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.sequence import Sequence, Status
 
+PreemptionPolicy = Callable[[list[Sequence], KVCacheManager], Sequence]
+
+# victim choosers: newest admitted (least work lost on average), least computed, largest
+PREEMPTION_POLICIES: dict[str, PreemptionPolicy] = {
+    "newest": lambda running, kv: max(running, key=lambda s: s.arrival),
+    "least_computed": lambda running, kv: min(running, key=lambda s: kv.num_computed(s.request_id)),
+    "largest": lambda running, kv: max(running, key=lambda s: len(kv.block_table(s.request_id))
+                                       if kv.has_stream(s.request_id) else 0),
+}
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption: str | PreemptionPolicy = "newest",
+        admission_lookahead: int = 128,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
+        self.choose_victim = PREEMPTION_POLICIES[preemption] if isinstance(preemption, str) else preemption
+        self.lookahead_blocks = kv.blocks_needed(admission_lookahead)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue behind every request of the same or higher priority (lower value first)."""
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        keys = [(s.priority, s.arrival) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, (seq.priority, seq.arrival)), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,18 +96,25 @@ class Scheduler:
             return plan, seqs
 
     def _pick(self, max_admit: int) -> tuple[list[StreamStep], list[Sequence], list[Sequence]]:
+        kv = self.kv
         budget = self.max_tokens
         steps: list[StreamStep] = []
         seqs: list[Sequence] = []
+        free = kv.num_free_blocks
+        headroom = 0
         for s in self.running:
-            if budget <= 0:
-                break
             ids = s.all_ids
-            done = self.kv.num_computed(s.request_id)
+            done = kv.num_computed(s.request_id)
+            have = len(kv.block_table(s.request_id)) if kv.has_stream(s.request_id) else 0
+            final = kv.blocks_needed(s.max_len)
+            headroom += min(self.lookahead_blocks, max(0, final - have))
+            if budget <= 0:
+                continue
             n = min(len(ids) - done, budget)
             steps.append(StreamStep(s.request_id, ids, done + n))
             seqs.append(s)
             budget -= n
+            free -= max(0, kv.blocks_needed(done + n) - have)
         admitted: list[Sequence] = []
         while (
             self.waiting
@@ -84,23 +122,29 @@ class Scheduler:
             and len(admitted) < max_admit
             and len(self.running) < self.max_num_seqs
         ):
-            s = self.waiting.popleft()
+            s = self.waiting[0]
             ids = s.all_ids
-            cached = len(self.kv.cached_prefix(ids, limit=len(ids) - 1)) * self.kv.block_size
+            cached = len(kv.cached_prefix(ids, limit=len(ids) - 1)) * kv.block_size
             n = min(len(ids) - cached, budget)
+            need = kv.blocks_needed(cached + n) - cached // kv.block_size
+            if self.running and free - need < headroom:
+                break  # keep room for the running streams' next tokens
+            self.waiting.popleft()
             s.status = Status.RUNNING
             self.running.append(s)
             admitted.append(s)
             steps.append(StreamStep(s.request_id, ids, cached + n))
             seqs.append(s)
             budget -= n
+            free -= need
+            headroom += min(self.lookahead_blocks, max(0, kv.blocks_needed(s.max_len) - need))
         return steps, seqs, admitted
 
     def _preempt(self) -> bool:
-        """Free the newest admitted running stream and queue it for recompute."""
+        """Free a running stream chosen by the policy and queue it for recompute."""
         if len(self.running) <= 1:
             return False
-        victim = max(self.running, key=lambda s: s.arrival)
+        victim = self.choose_victim(self.running, self.kv)
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.status = Status.WAITING

@@ -28,6 +28,7 @@ class Sequence:
         generator: torch.Generator | None,
         max_model_len: int,
         arrival: int,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -36,6 +37,7 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.arrival = arrival
+        self.priority = priority
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -51,6 +53,11 @@ class Sequence:
         )
         # the longest stop string minus one char: text that may still become a stop match
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this stream can reach (prompt + max_tokens, capped by the model)."""
+        return min(self.max_model_len, len(self.prompt_ids) + self.params.max_tokens)
 
     @property
     def all_ids(self) -> list[int]:
