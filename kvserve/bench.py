@@ -45,6 +45,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="progress bars on stderr (default: on)")
     o.add_argument("--json", default=None, metavar="FILE", help="write all figures here")
     o.set_defaults(func=cmd_offline)
+    from kvserve import bench_batched
+
+    bench_batched.add_parser(bsub)
 
 
 # ---- workload and machine ------------------------------------------------------------------

@@ -7,12 +7,14 @@ its output is checked against the current backend's, and the table gives ms per 
 effective bandwidth over the KV bytes the step must read, and the ratio to the DRAM roofline.
 
 Strategies:
-  sdpa_view    current backend (TorchAttention) on a pool where each stream's blocks are consecutive:
+  sdpa_view    TorchAttention's SDPA path on a pool where each stream's blocks are consecutive:
                one SDPA call per stream and layer over a zero-copy view
-  sdpa_gather  current backend on the scattered pool: index_select of the stream's blocks, then SDPA
+  sdpa_gather  the same on the scattered pool: index_select of the stream's blocks, then SDPA
+  c_kernel     TorchAttention's default CPU decode path: csrc/paged_decode.c, one call per layer
+               for all streams, walking each block table in place (no gather, no padding)
   padded       all streams gathered into [B, Hkv, Lmax, D] plus a length mask, one SDPA per layer
   bucketed     `padded` per group of streams whose block counts round to the same power of two
-  chunked      split-KV ("flash-decoding"): every stream's blocks cut into --chunk-token chunks,
+  chunked      split-KV ("flash-decoding"): every stream's blocks cut into --chunk-tokens chunks,
                all chunks gathered into one SDPA call that also returns each chunk's logsumexp,
                then the chunks of a stream merged by their logsumexp; no padding beyond one chunk
   flex_paged   torch.compile'd flex_attention reading the pool in place: the block tables become a
@@ -35,8 +37,8 @@ if TYPE_CHECKING:  # torch loads lazily so that the CLI's help stays fast
 
     from kvserve.kvcache.device_cache import DeviceKVCache
 
-STRATEGIES = ("sdpa_view", "sdpa_gather", "padded", "bucketed", "chunked", "flex_paged")
-REFERENCE = "sdpa_gather"  # what the backend runs today on a fragmented pool
+STRATEGIES = ("sdpa_view", "sdpa_gather", "c_kernel", "padded", "bucketed", "chunked", "flex_paged")
+REFERENCE = "sdpa_gather"  # plain torch SDPA per stream: every other strategy is checked against it
 
 Step = Callable[[], "torch.Tensor"]  # one decode step, all layers -> [layers, B, Hq, D]
 
@@ -46,9 +48,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "attention", help="CPU attention strategies for one decode step over the paged KV pool"
     )
     p.add_argument("--batch", type=int, default=32, help="streams per step")
-    p.add_argument("--lengths", default="128,512,1024",
+    p.add_argument("--lengths", type=_int_list, default="128,512,1024",
                    help="uniform workloads: every stream has this many tokens (comma list, '' = none)")
-    p.add_argument("--mixed", default="64:2048", metavar="SHORT:LONG",
+    p.add_argument("--mixed", type=_mixed, default="64:2048", metavar="SHORT:LONG",
                    help="also one stream of LONG tokens with batch-1 of SHORT ('' = skip)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -66,6 +68,25 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures here")
     p.set_defaults(func=cmd_attention)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError("lengths must be >= 1")
+    return vals
+
+
+def _mixed(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    vals = _int_list(text.replace(":", ","))
+    if len(vals) != 2:
+        raise argparse.ArgumentTypeError(f"expected SHORT:LONG, got {text!r}")
+    return vals[0], vals[1]
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -93,13 +114,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _gather(src: torch.Tensor, ids: torch.Tensor, bufs: dict[Any, torch.Tensor], key: Any) -> torch.Tensor:
+    """index_select of blocks into a buffer kept across layers and steps: a fresh multi-MB tensor
+    per layer would be mmap'ed and page-faulted anew each time, timing the allocator."""
+    import torch
+
+    shape = (ids.numel(), *src.shape[1:])
+    buf = bufs.get(key)
+    if buf is None or buf.shape != shape:
+        buf = bufs[key] = torch.empty(shape, dtype=src.dtype, device=src.device)
+    return torch.index_select(src, 0, ids, out=buf)
+
+
 def build_workload(name: str, lengths: list[int], args: argparse.Namespace, seed: int) -> Workload:
     import torch
 
     from kvserve.kvcache.device_cache import DeviceKVCache
 
-    if args.q_heads % args.kv_heads:
-        raise ValueError("--q-heads must be a multiple of --kv-heads")
     bs = args.block_size
     nblk = [_cdiv(n, bs) for n in lengths]
     g = torch.Generator().manual_seed(seed)
@@ -135,14 +166,18 @@ def contiguous_copy(w: Workload) -> tuple[DeviceKVCache, list[list[int]]]:
 
 
 # ---- strategies ----------------------------------------------------------------------------
-def backend_step(w: Workload, cache: DeviceKVCache, tables: list[list[int]]) -> Step:
-    """The production backend, fed as the model runner feeds it (prepare once, forward per layer)."""
+def backend_step(w: Workload, cache: DeviceKVCache, tables: list[list[int]], use_kernel: bool) -> Step:
+    """The production backend, fed as the model runner feeds it (prepare once, forward per layer);
+    `use_kernel` picks its C decode kernel, else its per-stream SDPA path."""
     import torch
 
     from kvserve.workers.attention import AttentionMetadata
     from kvserve.workers.attention_torch import TorchAttention
 
-    backend = TorchAttention()
+    backend = TorchAttention(use_kernel=use_kernel)
+    if use_kernel and backend.kernel is None:
+        # the backend would silently fall back to SDPA: that is not this row's strategy
+        raise RuntimeError("the C decode kernel is unavailable (no compiler, or KVSERVE_NO_C_KERNELS)")
     bs, c = w.block_size, cache
     b, hq = len(w.lengths), w.q.shape[2] * w.q.shape[3]
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, w.lengths, strict=True)])
@@ -172,6 +207,7 @@ def padded_step(w: Workload, groups: list[list[int]]) -> Step:
     h, d = c.num_kv_heads, c.head_dim
     hq = w.q.shape[2] * w.q.shape[3]
     whole = len(groups) == 1
+    bufs: dict[Any, torch.Tensor] = {}
 
     def step() -> torch.Tensor:
         plans = []
@@ -190,10 +226,10 @@ def padded_step(w: Workload, groups: list[list[int]]) -> Step:
         out = torch.empty(c.num_layers, len(w.lengths), hq, d)
         for layer in range(c.num_layers):
             kc, vc = c.layer(layer)
-            for rows, ids, lpad, mask in plans:
+            for g, (rows, ids, lpad, mask) in enumerate(plans):
                 n = rows.numel()
-                ks = kc.index_select(0, ids).view(n, lpad, h, d).transpose(1, 2)
-                vs = vc.index_select(0, ids).view(n, lpad, h, d).transpose(1, 2)
+                ks = _gather(kc, ids, bufs, ("k", g)).view(n, lpad, h, d).transpose(1, 2)
+                vs = _gather(vc, ids, bufs, ("v", g)).view(n, lpad, h, d).transpose(1, 2)
                 qs = w.q[layer] if whole else w.q[layer].index_select(0, rows)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
                 out[layer].index_copy_(0, rows, o.view(n, hq, d))
@@ -215,13 +251,12 @@ def chunked_step(w: Workload, chunk_tokens: int) -> Step:
     import torch
 
     c, bs = w.cache, w.block_size
-    if chunk_tokens % bs:
-        raise ValueError("--chunk-tokens must be a multiple of --block-size")
     cb = chunk_tokens // bs
     h, d = c.num_kv_heads, c.head_dim
     b, rep = len(w.lengths), w.q.shape[3]
     # the fused CPU flash kernel; unlike the public SDPA it also returns the logsumexp per row
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bufs: dict[Any, torch.Tensor] = {}
 
     def step() -> torch.Tensor:
         ids: list[int] = []
@@ -246,8 +281,8 @@ def chunked_step(w: Workload, chunk_tokens: int) -> Step:
         out = torch.empty(c.num_layers, b, h * rep, d)
         for layer in range(c.num_layers):
             kc, vc = c.layer(layer)
-            ks = kc.index_select(0, idx).view(nc, chunk_tokens, h, d).transpose(1, 2)
-            vs = vc.index_select(0, idx).view(nc, chunk_tokens, h, d).transpose(1, 2)
+            ks = _gather(kc, idx, bufs, "k").view(nc, chunk_tokens, h, d).transpose(1, 2)
+            vs = _gather(vc, idx, bufs, "v").view(nc, chunk_tokens, h, d).transpose(1, 2)
             qs = w.q[layer] if single else w.q[layer].index_select(0, segt)
             o, lse = flash(qs, ks, vs, attn_mask=mask)  # [nc, h, rep, d], [nc, h, rep]
             if single:
@@ -323,20 +358,22 @@ def flex_step(w: Workload, compiled: bool) -> Step:
 
 # ---- measurement ---------------------------------------------------------------------------
 def measure_read_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """This machine's streaming read bandwidth as torch sees it (a sum over a large array)."""
+    """This machine's streaming read bandwidth as torch sees it: the best of a few sums over an
+    array far larger than the caches (the best, because other load only ever lowers it)."""
     import torch
 
     x = torch.ones(nbytes // 4)
     x.sum()
-    best = []
+    best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         x.sum()
-        best.append(time.perf_counter() - t)
-    return nbytes / statistics.median(best) / 1e9
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
-def run_workload(w: Workload, args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+def run_workload(w: Workload, args: argparse.Namespace, names: list[str],
+                 read_gbs: float) -> dict[str, Any]:
     steps: dict[str, Step] = {}
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, torch.Tensor] = {}
@@ -344,9 +381,11 @@ def run_workload(w: Workload, args: argparse.Namespace, names: list[str]) -> dic
         try:
             if name == "sdpa_view":
                 cache, tables = contiguous_copy(w)
-                fn = backend_step(w, cache, tables)
+                fn = backend_step(w, cache, tables, use_kernel=False)
             elif name == "sdpa_gather":
-                fn = backend_step(w, w.cache, w.tables)
+                fn = backend_step(w, w.cache, w.tables, use_kernel=False)
+            elif name == "c_kernel":
+                fn = backend_step(w, w.cache, w.tables, use_kernel=True)
             elif name == "padded":
                 fn = padded_step(w, [list(range(len(w.lengths)))])
             elif name == "bucketed":
@@ -378,13 +417,13 @@ def run_workload(w: Workload, args: argparse.Namespace, names: list[str]) -> dic
                  max_abs_diff=float((outputs[name] - ref).abs().max()) if ref is not None else None)
     return {"name": w.name, "streams": len(w.lengths), "tokens": sum(w.lengths),
             "max_len": max(w.lengths), "kv_bytes": w.kv_bytes, "roofline_ms": roofline_ms,
-            "results": results}
+            "roofline_measured_ms": w.kv_bytes / (read_gbs * 1e9) * 1e3, "results": results}
 
 
 def print_workload(r: dict[str, Any], dram_gbs: float) -> None:
     print(f"\n{r['name']}: {r['streams']} streams, {r['tokens']} tokens, "
           f"KV read {r['kv_bytes'] / 1e6:.0f} MB/step, roofline {r['roofline_ms']:.1f} ms "
-          f"@ {dram_gbs:g} GB/s")
+          f"@ {dram_gbs:g} GB/s ({r['roofline_measured_ms']:.1f} ms at the measured read bandwidth)")
     print(f"{'strategy':<12} {'ms/step':>9} {'min-max':>15} {'GB/s':>6} {'x roofline':>10} "
           f"{'max|diff|':>9}")
     for name, x in r["results"].items():
@@ -396,10 +435,6 @@ def print_workload(r: dict[str, Any], dram_gbs: float) -> None:
               f"{x['gbs']:6.1f} {x['x_roofline']:10.2f} {x['max_abs_diff']:9.1e}{extra}")
 
 
-def _parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def cmd_attention(args: argparse.Namespace) -> int:
     import torch
 
@@ -407,15 +442,22 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
     names = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(names) - set(STRATEGIES))
-    if unknown:
-        print(f"kvserve: error: unknown strategies {unknown}; choose from {list(STRATEGIES)}",
-              file=sys.stderr)
+    problems = [f"unknown strategies {unknown}; choose from {list(STRATEGIES)}"] if unknown else []
+    if args.q_heads % args.kv_heads:
+        problems.append("--q-heads must be a multiple of --kv-heads")
+    if args.chunk_tokens % args.block_size:
+        problems.append("--chunk-tokens must be a multiple of --block-size")
+    if args.batch < 1 or args.layers < 1 or args.repeats < 1:
+        problems.append("--batch, --layers and --repeats must be >= 1")
+    for msg in problems:
+        print(f"kvserve: error: {msg}", file=sys.stderr)
+    if problems:
         return 2
     threads = args.threads or available_cores()
     torch.set_num_threads(threads)
-    specs = [(f"uniform {n}", [n] * args.batch) for n in _parse_ints(args.lengths)]
+    specs = [(f"uniform {n}", [n] * args.batch) for n in args.lengths]
     if args.mixed:
-        short, long_ = (int(x) for x in args.mixed.split(":"))
+        short, long_ = args.mixed
         specs.append((f"mixed 1x{long_} + {args.batch - 1}x{short}", [long_] + [short] * (args.batch - 1)))
     report: dict[str, Any] = {
         "machine": machine_info(threads) | {"read_gbs_measured": measure_read_gbs()},
@@ -429,7 +471,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
           f"measured read bandwidth {m['read_gbs_measured']:.1f} GB/s")
     for i, (name, lengths) in enumerate(specs):
         w = build_workload(name, lengths, args, args.seed + i)
-        r = run_workload(w, args, names)
+        r = run_workload(w, args, names, m["read_gbs_measured"])
         del w  # one pool at a time: the long workloads take GBs
         report["workloads"].append(r)
         print_workload(r, args.dram_gbs)

@@ -34,6 +34,9 @@ class EngineConfig(BaseModel):
     admission_lookahead_tokens: int = Field(
         128, ge=0, description="free KV kept per running stream when admitting new prompts"
     )
+    quantized_decode: bool = Field(
+        True, description="CPU float32: small-batch linears read the GGUF's quantized blocks"
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None = all cores")
     seed: int = 0
 

@@ -44,7 +44,7 @@ def wait_idle(eng: AsyncLLMEngine, timeout: float = 10.0) -> None:
 def test_64_concurrent_requests_match_solo_runs(aengine):
     rng = random.Random(7)
     reqs = []
-    for i in range(64):
+    for _ in range(64):
         n = rng.choice([3, 9, 20, 45, 90, 150])
         prompt = [rng.randrange(100, 40000) for _ in range(n)]
         reqs.append((prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True)))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvserve.bench_attention import STRATEGIES, add_parser
+from kvserve.workers.cpu_kernels import load_paged_decode
 
 
 @pytest.fixture
@@ -43,6 +44,8 @@ def test_bench_attention_strategies_agree(tmp_path, capsys, keep_torch_threads) 
         assert w["kv_bytes"] > 0 and w["roofline_ms"] > 0
         assert set(w["results"]) == set(STRATEGIES)
         for name, r in w["results"].items():
+            if name == "c_kernel" and load_paged_decode() is None:
+                continue  # no compiler here: the row reports that instead of timing SDPA again
             assert "error" not in r, (name, r)
             assert r["max_abs_diff"] <= 1e-5, (w["name"], name)
             assert len(r["samples_ms"]) == 2 and min(r["samples_ms"]) > 0

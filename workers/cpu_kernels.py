@@ -19,13 +19,16 @@ from functools import lru_cache
 
 log = logging.getLogger(__name__)
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.c")
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _FLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    *_BASE_FLAGS,
     # let gcc vectorise the dot-product reductions; no -ffast-math, which would
     # assume away the -inf the online softmax starts from
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
+# The dequantized weights must match gguf's bit for bit: no fused d*q + m.
+_QGEMV_FLAGS = [*_BASE_FLAGS, "-ffp-contract=off"]
 
 
 def _cache_dir() -> str:
@@ -36,39 +39,60 @@ def _cache_dir() -> str:
     return root
 
 
-@lru_cache(maxsize=1)
-def load_paged_decode() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when it cannot be built here."""
+def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
+    """Compile csrc/<name>.c once per (source, flags, CPU) and load it; None if impossible."""
     if os.environ.get("KVSERVE_NO_C_KERNELS"):
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        log.warning("no C compiler found: using the slower torch decode attention")
+        log.warning("no C compiler found: using the slower torch path instead of %s", name)
         return None
-    with open(_SRC, "rb") as f:
+    src_path = os.path.join(_CSRC, f"{name}.c")
+    with open(src_path, "rb") as f:
         src = f.read()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.machine().encode())
+    key = hashlib.sha256(src + " ".join(flags).encode() + platform.machine().encode())
     key.update(_cpu_signature().encode())
-    lib_path = os.path.join(_cache_dir(), f"paged_decode-{key.hexdigest()[:16]}.so")
+    lib_path = os.path.join(_cache_dir(), f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(lib_path):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, _SRC, "-o", tmp, "-lm"], check=True,
+            subprocess.run([cc, *flags, src_path, "-o", tmp, "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(tmp, lib_path)  # atomic: concurrent builders never see a partial file
         except (subprocess.SubprocessError, OSError) as e:
             err = getattr(e, "stderr", b"") or b""
-            log.warning("building the C decode kernel failed (%s %s): using torch attention",
-                        e, err.decode(errors="replace")[:500])
+            log.warning("building the C kernel %s failed (%s %s): using the torch path",
+                        name, e, err.decode(errors="replace")[:500])
             if os.path.exists(tmp):
                 os.unlink(tmp)
             return None
-    lib = ctypes.CDLL(lib_path)
+    return ctypes.CDLL(lib_path)
+
+
+@lru_cache(maxsize=1)
+def load_paged_decode() -> ctypes.CDLL | None:
+    """The compiled decode-attention library, or None when it cannot be built here."""
+    lib = _build("paged_decode", _FLAGS)
+    if lib is None:
+        return None
     f = lib.paged_decode_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     f.restype = ctypes.c_int
+    return lib
+
+
+@lru_cache(maxsize=1)
+def load_qgemv() -> ctypes.CDLL | None:
+    """The compiled quantized-weight matmul (csrc/qgemv.c), or None."""
+    lib = _build("qgemv", _QGEMV_FLAGS)
+    if lib is None:
+        return None
+    f = lib.qgemv_f32
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    f.argtypes = [c_int, p, i64, i64, i64, p, i64, p, c_int]
+    f.restype = c_int
     return lib
 
 

@@ -20,6 +20,7 @@ from kvserve.workers.loader import (
     warn_unused,
 )
 from kvserve.workers.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.workers.quant_linear import QTYPES, QuantizedWeight
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
 # models as "llama"; both use the same (permuted) Q/K layout.
@@ -125,15 +126,27 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 
     permute = arch in _PERMUTED_QK
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     # Tensor by tensor from the memory map: at most one float32 intermediate is alive
     # beside the converted result.
     for hf_name in expected:
-        array = _dequantize(tensors[hf_to_gguf[hf_name]], path)
+        tensor = tensors[hf_to_gguf[hf_name]]
+        array = _dequantize(tensor, path)
+        n_heads = 0
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             n_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_qk(array, n_heads)
         weights[hf_name] = torch.from_numpy(array).to(dtype)
-    return LoadedModel(config=config, weights=weights, path=path)
+        # Only float32 runs (the CPU) use the raw-block kernel; keep the blocks for them.
+        if dtype == torch.float32 and array.ndim == 2 and tensor.tensor_type.name in QTYPES:
+            raw = np.array(tensor.data, dtype=np.uint8)  # a copy: [rows, row bytes]
+            if n_heads:  # rows are independent, so the same row permutation applies
+                raw = np.ascontiguousarray(_unpermute_qk(raw, n_heads))
+            rows, cols = array.shape
+            quantized[hf_name] = QuantizedWeight(
+                tensor.tensor_type.name, torch.from_numpy(raw), (rows, cols)
+            )
+    return LoadedModel(config=config, weights=weights, path=path, quantized=quantized)
 
 
 def _open(path: str) -> GGUFReader:

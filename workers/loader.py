@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.errors import ModelLoadError
 from kvserve.workers.model_config import ModelConfig
+from kvserve.workers.quant_linear import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ class LoadedModel:
     # HF Llama names -> tensors in the requested dtype; "lm_head.weight" absent when tied
     weights: dict[str, torch.Tensor]
     path: str
+    # Raw ggml blocks of 2-D weights in a type the CPU kernel reads (GGUF float32
+    # loads only), by the same HF names and row order as `weights`.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -15,6 +15,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.attention import AttentionBackend, AttentionMetadata
 from kvserve.workers.model_config import ModelConfig
+from kvserve.workers.quant_linear import Linear, QuantizedWeight, concat_rows
 from kvserve.workers.rope import RotaryEmbedding
 
 
@@ -26,18 +27,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        w: dict[str, torch.Tensor],
+        i: int,
+        cfg: ModelConfig,
+        qw: dict[str, QuantizedWeight],
+        lib: object | None,
+    ) -> None:
         p = f"model.layers.{i}."
         a = p + "self_attn."
+
+        def fused(*names: str, bias: torch.Tensor | None = None) -> Linear:
+            weight = w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names])
+            return Linear(weight, bias, concat_rows([qw.get(n) for n in names]), lib)
+
         self.input_norm = w[p + "input_layernorm.weight"]
         self.post_norm = w[p + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
-        self.qkv_bias = None
+        qkv_bias = None
         if cfg.attention_bias:
-            self.qkv_bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-        self.o = w[a + "o_proj.weight"]
-        self.gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.down = w[p + "mlp.down_proj.weight"]
+            qkv_bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+        self.qkv = fused(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", bias=qkv_bias)
+        self.o = fused(a + "o_proj.weight")
+        self.gate_up = fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        self.down = fused(p + "mlp.down_proj.weight")
 
 
 class LlamaModel:
@@ -50,16 +63,27 @@ class LlamaModel:
         device: torch.device,
         dtype: torch.dtype,
         max_positions: int,
+        quantized: dict[str, QuantizedWeight] | None = None,
+        quantized_decode: bool = True,
     ) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         w = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
+        # Small-batch linears read the raw GGUF blocks through the C kernel (CPU float32
+        # only; Linear ignores them elsewhere); without a compiler, fp32 everywhere.
+        qw = quantized or {}
+        lib = None
+        if qw and quantized_decode and device.type == "cpu" and dtype == torch.float32:
+            from kvserve.workers.cpu_kernels import load_qgemv
+
+            lib = load_qgemv()
         try:
             self.embed = w["model.embed_tokens.weight"]
             self.norm = w["model.norm.weight"]
-            self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
-            self.layers = [Layer(w, i, cfg) for i in range(cfg.num_layers)]
+            head = "lm_head.weight" if "lm_head.weight" in w and not cfg.tie_word_embeddings else "model.embed_tokens.weight"
+            self.lm_head = Linear(w[head], None, qw.get(head), lib)
+            self.layers = [Layer(w, i, cfg, qw, lib) for i in range(cfg.num_layers)]
         except KeyError as e:
             raise ModelLoadError(f"{cfg.name or 'model'}: missing weight {e.args[0]}") from e
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -84,14 +108,14 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.rope.apply(q.view(n_tok, hq, d), cos, sin)
             k = self.rope.apply(k.view(n_tok, hkv, d), cos, sin)
             o = attn.forward(i, q, k, v.reshape(n_tok, hkv, d), cache, meta)
-            x = x + F.linear(o.view(n_tok, hq * d), layer.o)
+            x = x + layer.o(o.view(n_tok, hq * d))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).split([self.inter, self.inter], dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).split([self.inter, self.inter], dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

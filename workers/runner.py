@@ -34,7 +34,10 @@ class ModelRunner:
         cfg = loaded.config
         self.model_config = cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.model = LlamaModel(cfg, loaded.weights, self.device, self.dtype, self.max_model_len)
+        self.model = LlamaModel(
+            cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
+            quantized=loaded.quantized, quantized_decode=config.quantized_decode,
+        )
         self.block_size = config.block_size
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.cache = DeviceKVCache(
