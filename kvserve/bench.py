@@ -48,6 +48,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve import bench_batched
 
     bench_batched.add_parser(bsub)
+    from kvserve import bench_attention
+
+    bench_attention.add_parser(bsub)
 
 
 # ---- workload and machine ------------------------------------------------------------------

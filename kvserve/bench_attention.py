@@ -3,8 +3,8 @@
 Every stream has one new token and attends to its own L cached tokens, which sit in a pool laid
 out like DeviceKVCache ([layers, 2, blocks, block_size, Hkv, D]) with every stream's blocks at
 random places (as a long-running pool ends up). Each strategy computes the step for all layers;
-its output is checked against the current backend's, and the table gives ms per step, the
-effective bandwidth over the KV bytes the step must read, and the ratio to the DRAM roofline.
+its output is checked against per-stream SDPA (sdpa_gather), and the table gives ms per step,
+the effective bandwidth over the KV bytes the step must read, and the ratio to the DRAM roofline.
 
 Strategies:
   sdpa_view    TorchAttention's SDPA path on a pool where each stream's blocks are consecutive:
