@@ -51,6 +51,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve import bench_attention
 
     bench_attention.add_parser(bsub)
+    from kvserve import bench_serve
+
+    bench_serve.add_parser(bsub)
+    from kvserve import bench_throughput
+
+    bench_throughput.add_parser(bsub)
 
 
 # ---- workload and machine ------------------------------------------------------------------

@@ -159,3 +159,55 @@ def run_hf_baselines(
 
     cb_res["hf_generate_match"] = identical(gen_tokens, cb_tokens)
     yield "hf_generate_batch", cb_res, cb_tokens
+
+
+def run_hf_continuous(
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: list[int],
+    cb_config: dict[str, Any] | None = None,
+    progress: bool = True,
+    warmup: bool = True,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """HF continuous batching with a per-request output length (EOS ignored, greedy).
+
+    `cb_config` goes to transformers' ContinuousBatchingConfig (e.g. num_blocks and
+    block_size to give HF the same KV budget as kvserve). Returns (figures, tokens in input
+    order); the figures time the generation from the first add to the last result.
+    """
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if len(prompts) != len(max_new_tokens):
+        raise ValueError("one max_new_tokens per prompt")
+    eos = _eos_ids(model)
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max(max_new_tokens), eos_token_id=-1,
+        pad_token_id=eos[0] if eos else 0, suppress_tokens=eos or None,
+    )
+    cbc = ContinuousBatchingConfig(**(cb_config or {}))
+    results: dict[str, Any] = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cbc, block=True, timeout=5, warmup=warmup
+    ) as manager, progress_bar(progress, sum(max_new_tokens), "hf continuous") as bar:
+        if warmup:  # one short request through the whole loop, untimed
+            manager.add_request(prompts[0][:8], request_id="warm", max_new_tokens=2, eos_token_id=-1)
+            while manager.get_result(timeout=60) is None:
+                if not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped during warm-up")
+        with Timer() as timer:
+            for i, (p, n) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+                manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+            while len(results) < len(prompts):
+                r = manager.get_result(timeout=1)
+                if r is None:
+                    if not manager.is_running():
+                        raise RuntimeError(f"HF continuous batching stopped after {len(results)} results")
+                    continue
+                if r.is_finished():
+                    if r.error is not None:
+                        raise RuntimeError(f"HF request {r.request_id} failed: {r.error}")
+                    results[r.request_id] = r
+                    bar.update(len(r.generated_tokens))
+    tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(prompts))]
+    return figures(timer, prompts, tokens), tokens
