@@ -35,7 +35,12 @@ def generate(out: Path) -> list[Path]:
     ])
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
-    # protoc writes a top-level `import kvserve_pb2`; the stubs live in the kvserve.protos package.
+    # protoc writes a top-level module `kvserve_pb2`; the stubs live in the kvserve.protos package
+    # ... and the messages' __module__ must be importable for pickling (Ray Serve pickles them).
+    pb2_file = out / "kvserve_pb2.py"
+    pb2_file.write_text(pb2_file.read_text().replace(
+        "(DESCRIPTOR, 'kvserve_pb2', _globals)", "(DESCRIPTOR, 'kvserve.protos.kvserve_pb2', _globals)"
+    ))
     grpc_file = out / "kvserve_pb2_grpc.py"
     text = grpc_file.read_text()
     text = re.sub(r"^import kvserve_pb2 as", "from kvserve.protos import kvserve_pb2 as", text,

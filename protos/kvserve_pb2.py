@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvserve.proto\x1
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.protos.kvserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERINFO_STATSENTRY']._loaded_options = None
