@@ -8,14 +8,23 @@ write fits, and only then takes them; if they do not fit it raises
 prefix cache; if the forward raised, `rollback` returns the reserved blocks.
 Writes only ever touch a stream's private tail blocks (shared blocks are full
 and immutable), so a failed step cannot corrupt another stream's KV.
+
+With a host tier attached, a new stream's prefix is looked up on the device
+first, then on host (served by copy into newly reserved blocks); device blocks
+whose cached content the allocator drops are listed in the plan so the runner
+can demote them to host before the forward overwrites them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.hashing import ROOT_HASH, hash_block
+
+if TYPE_CHECKING:
+    from kvserve.kvcache.host_cache import HostTier, ParkedKV
 
 
 class KVCacheFull(Exception):
@@ -42,6 +51,17 @@ class StreamStep:
     stream_id: str
     token_ids: list[int]  # every token known for the stream so far
     target: int
+    resume: ParkedKV | None = None  # a parked stream coming back: its host tail is usable
+
+
+@dataclass
+class PrefixHit:
+    """Where a new stream's known KV lives: device blocks, then host blocks, then a host tail."""
+
+    device_blocks: list[int]
+    host_blocks: list[int]
+    tail_block: int | None
+    num_tokens: int  # tokens covered by all three
 
 
 @dataclass
@@ -54,12 +74,15 @@ class PlannedStream:
     cached_blocks: list[int]  # prefix-cache blocks referenced for a new stream
     is_new: bool
     num_new_blocks: int = 0
+    host_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) to copy in
+    host_tokens: int = 0  # tokens of `start` served from host by copy
 
 
 @dataclass
 class StepPlan:
     streams: list[PlannedStream]
     token_ids: dict[str, list[int]]
+    demoted: list[tuple[int, int]] = field(default_factory=list)  # (device block, hash) reused
 
 
 class KVCacheManager:
@@ -70,6 +93,17 @@ class KVCacheManager:
         self.streams: dict[str, StreamState] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found cached
+        self.host: HostTier | None = None
+        # streams parked while their blocks' write-back is in flight: blocks stay referenced
+        self.held: dict[str, list[int]] = {}
+        self._demoted: list[tuple[int, int]] = []
+
+    def attach_host(self, host: HostTier) -> None:
+        self.host = host
+        self.pool.on_evict = self._on_device_evict
+
+    def _on_device_evict(self, block_id: int, block_hash: int) -> None:
+        self._demoted.append((block_id, block_hash))
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -116,6 +150,36 @@ class KVCacheManager:
             out.append(blk)
         return out
 
+    def lookup_prefix(self, token_ids: list[int], limit: int, resume: ParkedKV | None = None) -> PrefixHit:
+        """The longest known prefix of a new stream: device prefix hits first, then host
+        hits (by copy), then, for a resumed stream whose full blocks all came back, its
+        private partial tail. What neither tier holds is recomputed."""
+        n = min(limit, len(token_ids))
+        bs = self.block_size
+        host = self.host
+        use_host = host is not None and (self.enable_prefix_caching or resume is not None)
+        dev: list[int] = []
+        on_host: list[int] = []
+        parent = ROOT_HASH
+        for b in range(n // bs):
+            parent = hash_block(parent, token_ids[b * bs : (b + 1) * bs])
+            if not on_host and self.enable_prefix_caching:
+                blk = self.pool.lookup(parent)
+                if blk is not None:
+                    dev.append(blk)
+                    continue
+            hb = host.lookup(parent) if use_host and host is not None else None
+            if hb is None:
+                break
+            on_host.append(hb)
+        num = (len(dev) + len(on_host)) * bs
+        tail = None
+        if (resume is not None and resume.tail_block is not None
+                and num == resume.num_tokens - resume.tail_tokens and resume.num_tokens <= n):
+            tail = resume.tail_block
+            num = resume.num_tokens
+        return PrefixHit(dev, on_host, tail, num)
+
     # ---- plan / apply --------------------------------------------------------------------
     def reserve(self, steps: list[StreamStep]) -> StepPlan:
         """Reserve every block the step writes, all or nothing."""
@@ -132,9 +196,14 @@ class KVCacheManager:
             if not 0 < st.target <= len(st.token_ids):
                 raise ValueError(f"target {st.target} outside 1..{len(st.token_ids)}")
             state = self.streams.get(st.stream_id)
+            host_ids: list[int] = []
             if state is None:
-                cached = self.cached_prefix(st.token_ids, limit=st.target - 1)
-                start = len(cached) * bs
+                if st.stream_id in self.held:
+                    raise ValueError(f"stream {st.stream_id!r} is still being written back")
+                hit = self.lookup_prefix(st.token_ids, st.target - 1, st.resume)
+                cached = hit.device_blocks
+                host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
+                start = hit.num_tokens
                 have = len(cached)
                 for b in cached:
                     if self.pool.is_free(b):
@@ -151,9 +220,10 @@ class KVCacheManager:
                 is_new = False
             n_new = max(0, self.blocks_needed(st.target) - have)
             need_new += n_new
-            planned.append(
-                PlannedStream(st.stream_id, start, st.target, [], [], cached, is_new, n_new)
-            )
+            ps = PlannedStream(st.stream_id, start, st.target, [], [], cached, is_new, n_new)
+            ps.host_in = [(h, -1) for h in host_ids]
+            ps.host_tokens = start - len(cached) * bs
+            planned.append(ps)
         free_after_revive = self.pool.num_free - len(revived)
         if need_new > free_after_revive:
             raise KVCacheFull(need_new + len(revived), self.pool.num_free)
@@ -171,17 +241,32 @@ class KVCacheManager:
                 self.prefix_queries += p.target
                 self.prefix_hits += p.start
         for p in planned:
+            if p.host_in and self.host is not None:
+                # pinned until commit/rollback: the copy below the plan reads them
+                self.host.pin([h for h, _ in p.host_in])
+        for p in planned:
             state = self.streams[p.stream_id]
             last = state.block_ids[-1] if state.block_ids else None
             new = self.pool.allocate(p.num_new_blocks, after=last)
             state.block_ids.extend(new)
             p.new_blocks = new
             p.block_ids = state.block_ids
-        return StepPlan(planned, {st.stream_id: st.token_ids for st in steps})
+            p.host_in = [(h, d) for (h, _), d in zip(p.host_in, new, strict=False)]
+        demoted, self._demoted = self._demoted, []
+        return StepPlan(planned, {st.stream_id: st.token_ids for st in steps}, demoted)
+
+    def _unpin(self, plan: StepPlan) -> None:
+        if self.host is None:
+            return
+        for p in plan.streams:
+            if p.host_in:
+                self.host.unpin([h for h, _ in p.host_in])
+                p.host_in = []
 
     def commit(self, plan: StepPlan) -> None:
         """The step's KV is written: advance the streams and publish full blocks."""
         bs = self.block_size
+        self._unpin(plan)
         for p in plan.streams:
             state = self.streams[p.stream_id]
             state.num_computed = p.target
@@ -196,6 +281,7 @@ class KVCacheManager:
 
     def rollback(self, plan: StepPlan) -> None:
         """The step failed: return its reserved blocks; computed KV stays as it was."""
+        self._unpin(plan)
         for p in reversed(plan.streams):
             state = self.streams.get(p.stream_id)
             if state is None:
@@ -214,9 +300,28 @@ class KVCacheManager:
         state = self.streams.pop(stream_id, None)
         if state is not None:
             self.pool.release(reversed(state.block_ids))
+        self.release_held(stream_id)
+
+    def hold(self, stream_id: str) -> StreamState:
+        """Take a stream out of the batch but keep its blocks referenced (write-back in flight)."""
+        state = self.streams.pop(stream_id)
+        self.held[stream_id] = state.block_ids
+        return state
+
+    def release_held(self, stream_id: str) -> None:
+        blocks = self.held.pop(stream_id, None)
+        if blocks is not None:
+            self.pool.release(reversed(blocks))
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.evict_cached()
+        hook, self.pool.on_evict = self.pool.on_evict, None  # a reload makes the KV stale
+        try:
+            n = self.pool.evict_cached()
+        finally:
+            self.pool.on_evict = hook
+        if self.host is not None:
+            n += self.host.table.evict_cached()
+        return n
 
     def _hashes_of(self, block_ids: list[int]) -> list[int]:
         out = []
@@ -237,6 +342,9 @@ class KVCacheManager:
             if len(s.block_ids) * self.block_size < s.num_computed:
                 raise AssertionError(f"stream {sid}: {s.num_computed} tokens in {len(s.block_ids)} blocks")
             for b in s.block_ids:
+                refs[b] += 1
+        for blocks in self.held.values():
+            for b in blocks:
                 refs[b] += 1
         if refs != self.pool.ref_cnt:
             raise AssertionError("block reference counts do not match the block tables")

@@ -39,6 +39,13 @@ class EngineConfig(BaseModel):
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None = all cores")
     seed: int = 0
+    host_cache_gib: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="host-memory KV tier size; None = a share of free RAM (capped), 0 = off",
+    )
+    max_evictions_per_request: int = Field(
+        4, ge=0, description="a stream is evicted at most this often while others can be"
+    )
 
     @field_validator("device")
     @classmethod

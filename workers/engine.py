@@ -37,6 +37,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             config.preemption_policy, config.admission_lookahead_tokens,
+            config.max_evictions_per_request,
         )
         self.sampler = Sampler(config.seed)
         self.seqs: dict[str, Sequence] = {}
@@ -45,6 +46,12 @@ class LLMEngine:
         self.generated_tokens = 0
         self.prompt_tokens_computed = 0
         self._t0 = time.monotonic()
+        # host tier accounting (tokens)
+        self.restores = 0  # parked streams brought back
+        self.tokens_restored_copy = 0  # served from host by copy on restore
+        self.tokens_restored_device = 0  # still in the device prefix cache on restore
+        self.tokens_recomputed = 0  # computed before eviction, computed again after
+        self.host_prefix_hit_tokens = 0  # new requests' prompt tokens served from host
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -132,6 +139,8 @@ class LLMEngine:
         rows, sample_seqs = [], []
         for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
             self.prompt_tokens_computed += p.target - p.start
+            if p.is_new:
+                self._account_admission(s, p.start, p.host_tokens)
             if p.target == len(s.prompt_ids) + len(s.output_ids):
                 rows.append(i)
                 sample_seqs.append(s)
@@ -158,8 +167,44 @@ class LLMEngine:
             outputs.append(s.to_output(delta_tokens=1))
         return outputs
 
+    def _account_admission(self, s: Sequence, start: int, host_tokens: int) -> None:
+        parked = s.parked_kv
+        if parked is None:
+            self.host_prefix_hit_tokens += host_tokens
+            return
+        self.restores += 1
+        self.tokens_restored_copy += host_tokens
+        self.tokens_restored_device += min(start, parked.num_tokens) - host_tokens
+        self.tokens_recomputed += max(0, parked.num_tokens - start)
+        self.scheduler.release_parked(s)  # the copies ran: its host blocks are unpinned
+
+    # ---- parked-stream snapshots ---------------------------------------------------------
+    def export_stream(self, request_id: str) -> bytes:
+        """Park an unfinished request and hand it over as a msgpack snapshot; it leaves
+        this engine (its blocks here are freed)."""
+        from kvserve.workers.snapshot import export_stream
+
+        return export_stream(self, request_id)
+
+    def import_stream(self, data: bytes, request_id: str | None = None) -> str:
+        """Queue a snapshot from `export_stream` (this or another engine, same model) as a
+        parked stream; its output continues where it stopped."""
+        from kvserve.workers.snapshot import import_stream
+
+        return import_stream(self, data, request_id)
+
+    def check_invariants(self) -> None:
+        """Device and host bookkeeping agree with the streams (tests, debugging)."""
+        self.kv.check_invariants()
+        host = self.kv.host
+        if host is not None:
+            pins = [s.parked_kv for s in self.seqs.values() if s.parked_kv is not None]
+            host.check_invariants(pins)
+
     def stats(self) -> dict[str, float | int]:
         elapsed = max(1e-9, time.monotonic() - self._t0)
+        host = self.kv.host
+        bpb = self.runner.cache.bytes_per_block
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -169,4 +214,37 @@ class LLMEngine:
             "kv_blocks_free": self.kv.num_free_blocks,
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate(),
             "generation_tokens_per_s": self.generated_tokens / elapsed,
+            "kv_bytes_used": self.kv.pool.num_used * bpb,
+            "host_blocks_total": host.num_blocks if host else 0,
+            "host_blocks_used": host.num_used if host else 0,  # pinned by parked streams
+            "host_blocks_cached": host.num_cached() if host else 0,
+            "host_bytes_used": (host.num_used if host else 0) * bpb,
+            "host_bytes_cached": (host.num_cached() if host else 0) * bpb,
+            "host_evictions": host.evictions if host else 0,
+            "parked": len(self.scheduler.parked),
+            "evictions": self.scheduler.num_preemptions,
+            "evictions_over_cap": self.scheduler.evictions_over_cap,
+            "restores": self.restores,
+            "tokens_restored_copy": self.tokens_restored_copy,
+            "tokens_restored_device": self.tokens_restored_device,
+            "tokens_recomputed": self.tokens_recomputed,
+            "host_prefix_hit_tokens": self.host_prefix_hit_tokens,
+            "copy_bytes": host.copier.bytes_copied if host else 0,
+            "copy_gbps": host.copier.gbps() if host else 0.0,
         }
+
+    def held_block_hashes(self) -> dict[str, list[int]]:
+        """Chained hashes of the prefix blocks this engine can serve from cache, per tier.
+
+        Read by the router (through the worker actor) for KV-affinity routing; the host
+        tier's hashes go in "host". Safe to call from another thread than the step loop.
+        """
+        for _ in range(10):
+            try:  # the step thread may register/drop hashes while we copy
+                device = list(self.kv.pool.cached)
+                break
+            except RuntimeError:
+                continue
+        else:
+            device = []
+        return {"device": device, "host": []}

@@ -14,6 +14,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.kvcache.device_cache import DeviceKVCache
+from kvserve.kvcache.host_cache import HostTier, default_host_bytes
 from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.attention import AttentionMetadata, select_backend
 from kvserve.workers.loader import LoadedModel
@@ -46,6 +47,14 @@ class ModelRunner:
         )
         self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
         log.info("attention backend: %s", self.attn.name)
+        self.host: HostTier | None = None
+        host_bytes = (default_host_bytes() if config.host_cache_gib is None
+                      else int(config.host_cache_gib * 2**30))
+        n_host = host_bytes // self.cache.bytes_per_block
+        if n_host >= 1:
+            self.host = HostTier(self.cache.kv, n_host, config.block_size)
+            self.kv.attach_host(self.host)
+            log.info("host KV tier: %d blocks (%.2f GiB)", n_host, n_host * self.cache.bytes_per_block / 2**30)
 
     def execute(self, steps: list[StreamStep]) -> tuple[StepPlan, torch.Tensor]:
         """Run one step; returns the plan and one row of logits per stream ([B, vocab]).
@@ -58,12 +67,25 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Apply a reserved plan: forward, then commit; on any error roll the plan back."""
         try:
+            self._move_blocks(plan)
             logits = self._forward(plan)
         except BaseException:
             self.kv.rollback(plan)
             raise
         self.kv.commit(plan)
         return logits
+
+    def _move_blocks(self, plan: StepPlan) -> None:
+        """Host-tier copies a step needs before its forward: first save cached blocks the
+        step reuses (demotion), then copy restored blocks in (they may land in those)."""
+        if self.host is None:
+            return
+        if plan.demoted:
+            self.host.demote(plan.demoted)
+            plan.demoted = []
+        pairs = [hd for p in plan.streams for hd in p.host_in]
+        if pairs:
+            self.host.restore([h for h, _ in pairs], [d for _, d in pairs])
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         bs = self.block_size

@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from kvserve.kvcache.host_cache import ParkedKV
 from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -42,6 +43,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_cached_prompt = 0
+        # set while the stream is evicted (parked) and until its first step back has run
+        self.parked_kv: ParkedKV | None = None
+        self.num_evictions = 0
         self.max_model_len = max_model_len
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)

@@ -1,0 +1,182 @@
+"""Block copies between the device pool and the host pool, and their ordering.
+
+Every copy moves a list of whole blocks (all layers, K and V) with one
+`index_select` and one `index_copy_`, so a stream moves in one large copy.
+
+Ordering rules (what makes the tier safe):
+- A write-back of an evicted stream (device -> host) may run asynchronously: on
+  CUDA on a side stream that first waits for the compute stream (the KV it reads
+  was written there), recording an event; on CPU on a worker thread when a copy
+  delay is injected (tests), else synchronously. Its `Transfer` says when it is
+  done; the caller keeps the source device blocks referenced until then, so the
+  allocator can never hand out a block whose copy is still in flight.
+- Demotions (device -> host right before a block is reused) and restores
+  (host -> device) run on the compute stream, in order with the forward pass
+  that follows. A restore first waits for every in-flight write-back, so it
+  never reads a host block that is still being filled.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Transfer:
+    """One asynchronous device -> host copy; `finish` runs once, after the data arrived."""
+
+    def __init__(self, nbytes: int, event: torch.cuda.Event | None = None,
+                 future: Future[None] | None = None,
+                 finish: Callable[[], None] | None = None) -> None:
+        self.nbytes = nbytes
+        self.event = event
+        self.future = future
+        self._finish = finish
+
+    def done(self) -> bool:
+        if self.future is not None and not self.future.done():
+            return False
+        if self.event is not None and not self.event.query():
+            return False
+        return True
+
+    def wait(self) -> None:
+        """Block until the copy has completed; re-raises a failed copy's error."""
+        if self.future is not None:
+            self.future.result()
+        if self.event is not None:
+            self.event.synchronize()
+        if self._finish is not None:
+            fn, self._finish = self._finish, None
+            fn()
+
+
+class BlockCopier:
+    def __init__(self, device_kv: torch.Tensor, host_kv: torch.Tensor) -> None:
+        self.dev = device_kv
+        self.host = host_kv
+        self.cuda = device_kv.device.type == "cuda"
+        self.side = torch.cuda.Stream(device_kv.device) if self.cuda else None
+        # tests: sleep this long inside every asynchronous write-back before it reads the device
+        self.delay_s = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: list[Transfer] = []
+        self._lock = threading.Lock()
+        self.bytes_copied = 0
+        self.copy_s = 0.0  # wall time of the synchronous copies (bandwidth figure)
+        self.timed_bytes = 0
+
+    def _nbytes(self, n: int) -> int:
+        return n * self.dev[:, :, 0].numel() * self.dev.element_size()
+
+    # ---- device -> host ------------------------------------------------------------------
+    def to_host_async(self, dev_ids: list[int], host_ids: list[int]) -> Transfer:
+        if not dev_ids:
+            return Transfer(0)
+        nbytes = self._nbytes(len(dev_ids))
+        if self.cuda:
+            assert self.side is not None
+            t = self._cuda_copy_out(dev_ids, host_ids, nbytes)
+        elif self.delay_s > 0:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-writeback")
+            t = Transfer(nbytes, future=self._pool.submit(self._delayed_copy, dev_ids, host_ids))
+        else:
+            self.to_host(dev_ids, host_ids)
+            return Transfer(0)
+        self.bytes_copied += nbytes  # not timed: bandwidth counts the synchronous copies
+        with self._lock:
+            done = [x for x in self._inflight if x.done()]
+            self._inflight = [x for x in self._inflight if x not in done] + [t]
+        for x in done:
+            x.wait()  # runs its finish step
+        return t
+
+    def _cuda_copy_out(self, dev_ids: list[int], host_ids: list[int], nbytes: int) -> Transfer:
+        # side stream after the compute stream (it reads KV the forward wrote), into a
+        # pinned staging buffer; the scatter into the host pool runs once the event fired
+        assert self.side is not None
+        ev = torch.cuda.Event()
+        self.side.wait_stream(torch.cuda.current_stream(self.dev.device))
+        with torch.cuda.stream(self.side):
+            didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
+            data = self.dev.index_select(2, didx)
+            staging = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            staging.copy_(data, non_blocking=True)
+            ev.record(self.side)
+        hidx = torch.tensor(host_ids, dtype=torch.long)
+        return Transfer(nbytes, event=ev, finish=lambda: self.host.index_copy_(2, hidx, staging))
+
+    def _delayed_copy(self, dev_ids: list[int], host_ids: list[int]) -> None:
+        time.sleep(self.delay_s)
+        self._copy_out(dev_ids, host_ids)
+
+    def to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
+        """Copy before anything later on the compute stream runs (demotion of blocks that
+        the coming forward overwrites)."""
+        if not dev_ids:
+            return
+        t0 = time.perf_counter()
+        if self.cuda:
+            t = self._cuda_copy_out(dev_ids, host_ids, self._nbytes(len(dev_ids)))
+            assert t.event is not None
+            torch.cuda.current_stream(self.dev.device).wait_event(t.event)
+            with self._lock:
+                self._inflight.append(t)
+        else:
+            self._copy_out(dev_ids, host_ids)
+        self._timed(t0, len(dev_ids))
+
+    def _copy_out(self, dev_ids: list[int], host_ids: list[int]) -> None:
+        didx = torch.tensor(dev_ids, dtype=torch.long)
+        self.host.index_copy_(2, torch.tensor(host_ids, dtype=torch.long), self.dev.index_select(2, didx))
+
+    # ---- host -> device ------------------------------------------------------------------
+    def to_device(self, host_ids: list[int], dev_ids: list[int]) -> None:
+        if not host_ids:
+            return
+        self.wait_all()
+        t0 = time.perf_counter()
+        hidx = torch.tensor(host_ids, dtype=torch.long)
+        data = self.host.index_select(2, hidx)
+        if self.cuda:
+            data = data.pin_memory().to(self.dev.device, non_blocking=True)
+        didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
+        self.dev.index_copy_(2, didx, data)
+        self._timed(t0, len(host_ids))
+
+    def wait_all(self) -> None:
+        with self._lock:
+            pending, self._inflight = self._inflight, []
+        for t in pending:
+            t.wait()
+
+    def read(self, host_ids: list[int]) -> torch.Tensor:
+        """Host blocks as one tensor [L, 2, n, bs, H, D] (snapshot export)."""
+        self.wait_all()
+        if self.cuda:
+            torch.cuda.current_stream(self.dev.device).synchronize()
+        return self.host.index_select(2, torch.tensor(host_ids, dtype=torch.long))
+
+    def write(self, host_ids: list[int], data: torch.Tensor) -> None:
+        """Fill host blocks from a tensor (snapshot import)."""
+        self.wait_all()
+        self.host.index_copy_(2, torch.tensor(host_ids, dtype=torch.long), data.to(self.host.dtype))
+
+    def _timed(self, t0: float, n: int) -> None:
+        self.copy_s += time.perf_counter() - t0
+        self.bytes_copied += self._nbytes(n)
+        self.timed_bytes += self._nbytes(n)
+
+    def gbps(self) -> float:
+        return self.timed_bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    def close(self) -> None:
+        self.wait_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
