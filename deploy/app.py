@@ -1,0 +1,42 @@
+"""Importable builder of the Serve application (for `serve run`, `serve deploy`, `kvserve serve`).
+
+    serve run deploy/serve_config.yaml
+    serve run kvserve.deploy.app:build_app num_workers=2 \
+        --grpc-servicer-functions kvserve.deploy.grpc_servicer.add_KVServeServicer_to_server
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from kvserve.deploy.config import ServeConfig
+
+APP_NAME = "kvserve"
+# the generated add_KVServeServicer_to_server, registered so unparsable requests get a clear
+# INVALID_ARGUMENT (see grpc_servicer.py)
+GRPC_SERVICER = "kvserve.deploy.grpc_servicer.add_KVServeServicer_to_server"
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Build from a ServeConfig dict (`serve run` passes CLI key=value pairs as strings)."""
+    from kvserve.deploy.ingress import KVServeIngress
+
+    cfg = args if isinstance(args, ServeConfig) else ServeConfig(**_coerce(args or {}))
+    return KVServeIngress.bind(cfg.model_dump())
+
+
+def _coerce(args: dict[str, Any]) -> dict[str, Any]:
+    """`serve run app key=value` gives strings; parse JSON-looking values (numbers, lists, dicts)."""
+    import json
+
+    out = {}
+    for k, v in args.items():
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                pass
+        out[k] = v
+    return out

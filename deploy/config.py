@@ -1,0 +1,73 @@
+"""ServeConfig: every setting of the served application in one pydantic model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvserve.config import EngineConfig
+
+API_KEYS_ENV = "KVSERVE_API_KEYS"
+
+
+class ServeConfig(BaseModel):
+    """Model, workers, engine and KV sizes, ports, API keys and overload limits."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="GGUF file or HF directory; None = default model")
+    served_model_name: str | None = Field(
+        None, description="name clients pass as `model`; default = the model file's stem"
+    )
+    num_workers: int = Field(1, ge=1, description="worker actors, one engine each")
+    num_gpus_per_worker: float = Field(0, ge=0, description="0 on CPU")
+    num_cpus_per_worker: float = Field(1, ge=0)
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="EngineConfig overrides (kv_cache_tokens, num_threads...)"
+    )
+    grpc_port: int = Field(9000, ge=0, le=65535)
+    http_port: int = Field(8000, ge=0, le=65535)
+    http_host: str = "127.0.0.1"
+    api_keys: list[str] = Field(
+        default_factory=list, description=f"accepted API keys; empty = no auth (also ${API_KEYS_ENV})"
+    )
+    routing_policy: str = Field("affinity", description="affinity, least_loaded or round_robin")
+    max_imbalance: int = Field(
+        4, ge=0, description="affinity gives way when its worker has this many more in flight"
+    )
+    max_inflight_per_worker: int = Field(
+        256, ge=1, description="requests in flight per worker before new ones are shed (429)"
+    )
+    load_poll_interval_s: float = Field(0.25, gt=0, description="router's worker poll period")
+    max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, v: dict[str, Any]) -> dict[str, Any]:
+        EngineConfig(**{k: x for k, x in v.items() if k != "model"})  # fail early on a typo
+        return v
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{**self.engine, "model": self.model})
+
+    def resolved_api_keys(self) -> list[str]:
+        """Configured keys plus those in $KVSERVE_API_KEYS (comma separated)."""
+        env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        return list(dict.fromkeys([*self.api_keys, *env]))
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        from kvserve.models import resolve_model
+
+        path = os.path.basename(str(resolve_model(self.model)).rstrip("/"))
+        return path.rsplit(".", 1)[0] if path.endswith(".gguf") else path

@@ -1,0 +1,41 @@
+"""Client-facing errors: one kind each, with its gRPC status and HTTP status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """An error the client should see, with a clear message."""
+
+    # kind -> (gRPC status, HTTP status, OpenAI error type)
+    KINDS: dict[str, tuple[grpc.StatusCode, int, str]] = {
+        "invalid": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        "not_found": (grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
+        "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+        "overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        "unavailable": (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
+        "internal": (grpc.StatusCode.INTERNAL, 500, "internal_error"),
+    }
+
+    def __init__(self, kind: str, message: str) -> None:
+        if kind not in self.KINDS:
+            kind = "internal"
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    def __reduce__(self) -> tuple:  # picklable: Ray ships it from the replica to the proxy
+        return (ServiceError, (self.kind, self.message))
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return self.KINDS[self.kind][0]
+
+    @property
+    def http_status(self) -> int:
+        return self.KINDS[self.kind][1]
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.KINDS[self.kind][2],
+                          "code": self.http_status}}

@@ -1,0 +1,167 @@
+"""The kvserve.v1.KVServe gRPC methods, as a mixin of the Serve ingress deployment.
+
+Serve's gRPC proxy calls the ingress method named like the RPC. Errors set the status code
+and details on the gRPC context, then raise, which Serve turns into that status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
+from kvserve.deploy.service import GenRequest, Service
+from kvserve.protos import kvserve_pb2 as pb
+
+_OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "seed", "logprobs",
+             "skip_special_tokens", "min_tokens")
+_PLAIN = ("ignore_eos", "include_stop_str_in_output")
+
+
+def sampling_dict(sp: pb.SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {k: getattr(sp, k) for k in _OPTIONAL if sp.HasField(k)}
+    out.update({k: True for k in _PLAIN if getattr(sp, k)})
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    return out
+
+
+def _api_key(ctx: Any) -> str | None:
+    md = dict(ctx.invocation_metadata() or ())
+    auth = md.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return md.get("x-api-key") or (auth or None)
+
+
+def _usage(u: list[int]) -> pb.Usage:
+    return pb.Usage(prompt_tokens=u[0], cached_tokens=u[1], completion_tokens=u[2])
+
+
+def _check_model(svc: Service, request: Any) -> None:
+    if request.model == INVALID_UTF8_MARKER:
+        raise ServiceError("invalid", "the request could not be parsed: a string field is not "
+                                      "valid UTF-8 (or the message is malformed)")
+    svc.check_model(request.model)
+
+
+def _fail(ctx: Any, e: ServiceError) -> ServiceError:
+    ctx.set_code(e.grpc_code)
+    ctx.set_details(e.message)
+    return e
+
+
+class GrpcFrontend:
+    service: Service
+
+    async def _ready(self) -> Service:  # provided by the ingress
+        raise NotImplementedError
+
+    async def _gen_request(self, request: Any, ctx: Any, chat: bool) -> GenRequest:
+        svc = await self._ready()
+        svc.check_auth(_api_key(ctx))
+        _check_model(svc, request)
+        if chat:
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+            if not msgs:
+                raise ServiceError("invalid", "messages are empty")
+            ids = svc.tokenize(messages=msgs)
+        else:
+            ids = svc.tokenize(prompt=request.prompt, prompt_ids=list(request.prompt_token_ids))
+        session = request.session_id if request.HasField("session_id") else None
+        return svc.build(ids, sampling_dict(request.sampling), session, request.request_id or None,
+                         default_max_tokens=16)
+
+    async def _unary(self, request: Any, ctx: Any, chat: bool) -> pb.GenerateResponse:
+        try:
+            req = await self._gen_request(request, ctx, chat)
+            r = await self.service.complete(req)
+        except ServiceError as e:
+            raise _fail(ctx, e) from None
+        return pb.GenerateResponse(
+            request_id=r.request_id, text=r.text, token_ids=r.token_ids,
+            finish_reason=r.finish_reason, stop_reason=r.stop_reason or "", usage=_usage(r.usage),
+            worker_id=r.worker_id, model=self.service.model_name,
+        )
+
+    async def _stream(
+        self, request: Any, ctx: Any, chat: bool
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            req = await self._gen_request(request, ctx, chat)
+            async for c in self.service.stream(req):
+                yield pb.GenerateStreamResponse(
+                    request_id=req.request_id, delta_text=c["text"], delta_token_ids=c["token_ids"],
+                    finish_reason=c["finish_reason"] or "", stop_reason=c["stop_reason"] or "",
+                    usage=_usage(c["usage"]), worker_id=c["worker_id"],
+                    model=self.service.model_name,
+                )
+        except ServiceError as e:
+            raise _fail(ctx, e) from None
+
+    # ---- RPCs (names as in kvserve.proto) ------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
+        return await self._unary(request, grpc_context, chat=False)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, grpc_context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async for r in self._stream(request, grpc_context, chat=False):
+            yield r
+
+    async def Chat(self, request: pb.ChatRequest, grpc_context: Any) -> pb.GenerateResponse:
+        return await self._unary(request, grpc_context, chat=True)
+
+    async def ChatStream(
+        self, request: pb.ChatRequest, grpc_context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async for r in self._stream(request, grpc_context, chat=True):
+            yield r
+
+    async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: Any) -> pb.TokenizeResponse:
+        try:
+            svc = await self._ready()
+            svc.check_auth(_api_key(grpc_context))
+            _check_model(svc, request)
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+            ids = svc.tokenize(prompt=request.prompt, messages=msgs or None)
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=svc.max_model_len)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, grpc_context: Any
+    ) -> pb.ListModelsResponse:
+        try:
+            svc = await self._ready()
+            svc.check_auth(_api_key(grpc_context))
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            id=svc.model_name, max_model_len=svc.max_model_len, owned_by="kvserve")])
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, grpc_context: Any
+    ) -> pb.GetServerInfoResponse:
+        try:
+            svc = await self._ready()
+            svc.check_auth(_api_key(grpc_context))
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        info = await svc.server_info()
+        workers = [
+            pb.WorkerInfo(
+                worker_id=w["worker_id"], alive=w["alive"], running=w["running"],
+                waiting=w["waiting"], parked=w["parked"], free_device_blocks=w["kv_blocks_free"],
+                total_device_blocks=w["kv_blocks_total"],
+                held_device_blocks=w["held_device_blocks"], held_host_blocks=w["held_host_blocks"],
+                restarts=w["restarts"], stats=w["stats"],
+            )
+            for w in info["workers"]
+        ]
+        return pb.GetServerInfoResponse(version="0.1.0", model=svc.model_name, workers=workers,
+                                        routing_policy=info["routing_policy"])

@@ -1,0 +1,87 @@
+"""The Serve ingress deployment: gRPC methods (GrpcFrontend) and the OpenAI HTTP API in one.
+
+Its constructor starts the router actor, which starts the worker actors; the ingress then
+only validates, asks the router for a worker and streams from that worker.
+"""
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from kvserve.deploy import openai_api as oa
+from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.grpc_api import GrpcFrontend
+from kvserve.deploy.service import Service
+
+app = FastAPI(title="kvserve", description="OpenAI-compatible API of kvserve")
+
+
+@app.exception_handler(RequestValidationError)
+async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # OpenAI clients expect 400 (not FastAPI's 422) for a malformed body, bad JSON included
+    return oa.validation_error_response(exc)
+
+
+@app.exception_handler(ServiceError)
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    return oa.error_response(exc)
+
+
+# API keys of this replica's config, checked before the body is parsed (401 before 400)
+_API_KEYS: frozenset[str] = frozenset()
+
+
+@app.middleware("http")
+async def _auth(request: Request, call_next: Any) -> Any:
+    if _API_KEYS and request.url.path.startswith("/v1/"):
+        key = oa.api_key(request)
+        if key not in _API_KEYS:
+            msg = "invalid API key" if key else "missing API key (send 'Authorization: Bearer KEY')"
+            return oa.error_response(ServiceError("unauthenticated", msg))
+    return await call_next(request)
+
+
+@serve.deployment(name="KVServeIngress", ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=1000)
+@serve.ingress(app)
+class KVServeIngress(GrpcFrontend):
+    async def __init__(self, config: dict[str, Any]) -> None:
+        global _API_KEYS
+        self.service = Service(ServeConfig(**config))
+        _API_KEYS = self.service.api_keys
+        await self.service.start()
+
+    async def _ready(self) -> Service:
+        return self.service
+
+    # ---- HTTP -----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        info = await self.service.server_info()
+        alive = sum(w["alive"] for w in info["workers"])
+        return JSONResponse({"status": "ok" if alive else "unavailable", "workers_alive": alive},
+                            status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.service.model_name, "object": "model", "created": 0,
+            "owned_by": "kvserve", "max_model_len": self.service.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: oa.CompletionRequest) -> Any:
+        req = oa.completion_request(self.service, body)
+        return await oa.respond(self.service, req, body, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: oa.ChatRequest) -> Any:
+        req = oa.chat_request(self.service, body)
+        return await oa.respond(self.service, req, body, "chat")
+
+    @app.get("/v1/server_info")
+    async def server_info(self) -> dict[str, Any]:
+        return await self.service.server_info()

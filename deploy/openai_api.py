@@ -1,0 +1,186 @@
+"""OpenAI-compatible HTTP API: request models, response bodies and SSE streaming.
+
+Request fields are parsed by pydantic here; sampling fields then go through the engine's
+own SamplingParams validation (the same models as gRPC), so both front ends accept and
+reject exactly the same values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.service import GenRequest, Service, sampling_from_fields
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "min_tokens", "n", "include_stop_str_in_output",
+                   "skip_special_tokens")
+
+
+class _SamplingFields(BaseModel):
+    # Unknown OpenAI fields (user, logit_bias...) are ignored as OpenAI-compatible servers do;
+    # NaN/inf pass here and are rejected with a clear message by the sampling validation.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=True, protected_namespaces=())
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    n: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    session_id: str | None = Field(None, description="kvserve extension: multi-turn affinity")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
+            return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key") or None
+
+
+def error_response(e: ServiceError) -> JSONResponse:
+    return JSONResponse(e.openai_body(), status_code=e.http_status)
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return error_response(ServiceError("invalid", "invalid request: " + "; ".join(parts)))
+
+
+def _usage(u: list[int]) -> dict[str, Any]:
+    return {"prompt_tokens": u[0], "completion_tokens": u[2], "total_tokens": u[0] + u[2],
+            "prompt_tokens_details": {"cached_tokens": u[1]}}
+
+
+def completion_request(svc: Service, body: CompletionRequest) -> GenRequest:
+    svc.check_model(body.model)
+    p = body.prompt
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise ServiceError("invalid", "only one prompt per request is supported")
+        p = p[0]
+    ids = svc.tokenize(prompt=p) if isinstance(p, str) else svc.tokenize(prompt_ids=list(p))
+    return svc.build(ids, sampling_from_fields(body, SAMPLING_FIELDS), body.session_id,
+                     default_max_tokens=16)
+
+
+def chat_request(svc: Service, body: ChatRequest) -> GenRequest:
+    svc.check_model(body.model)
+    if not body.messages:
+        raise ServiceError("invalid", "messages are empty")
+    ids = svc.tokenize(messages=[{"role": m.role, "content": m.text()} for m in body.messages])
+    sampling = sampling_from_fields(body, SAMPLING_FIELDS)
+    if body.max_completion_tokens is not None and "max_tokens" not in sampling:
+        sampling["max_tokens"] = body.max_completion_tokens
+    return svc.build(ids, sampling, body.session_id)
+
+
+async def respond(
+    svc: Service, req: GenRequest, body: _SamplingFields, kind: Literal["completion", "chat"]
+) -> Any:
+    """A JSON body, or an SSE stream whose first chunk already arrived (so routing errors
+    are still real HTTP statuses)."""
+    created = int(time.time())
+    rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + req.request_id
+    if not body.stream:
+        r = await svc.complete(req)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
+        if kind == "completion":
+            choice["text"] = r.text
+        else:
+            choice["message"] = {"role": "assistant", "content": r.text}
+        return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
+                "created": created, "model": svc.model_name, "choices": [choice],
+                "usage": _usage(r.usage), "kvserve_worker": r.worker_id}
+
+    chunks = svc.stream(req)
+    first = await chunks.__anext__()
+    return StreamingResponse(
+        _sse(svc, chunks, first, rid, created, kind, body.include_usage()),
+        media_type="text/event-stream",
+    )
+
+
+async def _sse(
+    svc: Service, chunks: AsyncIterator[dict[str, Any]], first: dict[str, Any], rid: str,
+    created: int, kind: str, include_usage: bool,
+) -> AsyncIterator[str]:
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+
+    def event(c: dict[str, Any], role: bool) -> str:
+        if kind == "completion":
+            choice = {"index": 0, "text": c["text"], "finish_reason": c["finish_reason"],
+                      "logprobs": None}
+        else:
+            delta = {"role": "assistant", "content": c["text"]} if role else {"content": c["text"]}
+            choice = {"index": 0, "delta": delta, "finish_reason": c["finish_reason"],
+                      "logprobs": None}
+        payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
+                   "choices": [choice], "kvserve_worker": c["worker_id"]}
+        return f"data: {json.dumps(payload)}\n\n"
+
+    last = first
+    try:
+        yield event(first, role=True)
+        async for c in chunks:
+            last = c
+            yield event(c, role=False)
+    except ServiceError as e:  # mid-stream failure: the status line is already sent
+        yield f"data: {json.dumps(e.openai_body())}\n\n"
+        return
+    finally:
+        await chunks.aclose()
+    if include_usage:
+        payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
+                   "choices": [], "usage": _usage(last["usage"])}
+        yield f"data: {json.dumps(payload)}\n\n"
+    yield "data: [DONE]\n\n"

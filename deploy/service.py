@@ -1,0 +1,226 @@
+"""Service: request validation, routing and streaming shared by the gRPC and HTTP front ends.
+
+The ingress validates and tokenizes (so bad input never reaches a worker), asks the router
+for a worker (one small actor call), then streams chunks straight from that worker. A worker
+that dies before the first token is retried on another one; after tokens were sent the
+client gets UNAVAILABLE, told how many tokens it already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.errors import ServiceError
+from kvserve.errors import InvalidRequestError
+from kvserve.kvcache.hashing import hash_full_blocks
+from kvserve.models import resolve_model
+from kvserve.router.router import get_or_create_router
+from kvserve.sampling import SamplingParams, parse_sampling_params
+from kvserve.workers.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+
+
+@dataclass
+class Result:
+    """A whole (unary) answer."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | None
+    usage: list[int]  # prompt, cached, completion
+    worker_id: str
+
+
+class Service:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.model_name = cfg.model_name()
+        self.api_keys = frozenset(cfg.resolved_api_keys())
+        self.tokenizer = load_tokenizer(resolve_model(cfg.model))
+        self.router = get_or_create_router(cfg.model_dump())
+        self.workers: list[Any] = []
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.block_size = cfg.engine_config().block_size
+
+    async def start(self) -> None:
+        info = await self.router.ready.remote()
+        self.workers = await self.router.workers.remote()
+        self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info["vocab_size"])
+        self.block_size = int(info["block_size"])
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_auth(self, key: str | None) -> None:
+        if not self.api_keys:
+            return
+        if not key:
+            raise ServiceError("unauthenticated", "missing API key (send 'authorization: Bearer KEY')")
+        if key not in self.api_keys:
+            raise ServiceError("unauthenticated", "invalid API key")
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in (self.model_name, "default"):
+            raise ServiceError(
+                "not_found", f"model {name!r} is not served here; available: {self.model_name!r}"
+            )
+
+    # ---- request building -------------------------------------------------------------------
+    def tokenize(
+        self, prompt: str | None = None, prompt_ids: list[int] | None = None,
+        messages: list[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a text prompt, token-id prompt or chat conversation (validated)."""
+        try:
+            if messages:
+                msgs = [dict(m) for m in messages]
+                for m in msgs:
+                    if not isinstance(m.get("role"), str) or not m["role"]:
+                        raise InvalidRequestError("every message needs a non-empty 'role'")
+                return list(self.tokenizer.apply_chat_template(msgs, tokenize=True))
+            if prompt_ids:
+                bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise InvalidRequestError(
+                        f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
+                    )
+                return list(prompt_ids)
+            if prompt:
+                if _has_surrogates(prompt):  # undecodable bytes smuggled in as surrogates
+                    raise InvalidRequestError("prompt is not valid UTF-8")
+                return self.tokenizer.encode(prompt)
+        except InvalidRequestError as e:
+            raise ServiceError("invalid", str(e)) from None
+        except Exception as e:  # e.g. a template error on malformed messages
+            raise ServiceError("invalid", f"cannot tokenize the input: {e}") from None
+        raise ServiceError("invalid", "prompt is empty" if messages is None else "messages are empty")
+
+    def build(
+        self,
+        prompt_ids: list[int],
+        sampling: Mapping[str, Any] | None,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        default_max_tokens: int | None = None,
+    ) -> GenRequest:
+        """Validate sampling parameters and lengths against the context."""
+        sampling = dict(sampling or {})
+        for k, v in sampling.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ServiceError("invalid", f"invalid sampling parameters: {k} must be finite (got {v})")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ServiceError(
+                "invalid",
+                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens and "
+                "at least one must be left for the output",
+            )
+        if sampling.get("max_tokens") is None:
+            sampling["max_tokens"] = default_max_tokens or (self.max_model_len - n)
+        try:
+            params = parse_sampling_params(sampling)
+        except InvalidRequestError as e:
+            raise ServiceError("invalid", str(e)) from None
+        if n + params.max_tokens > self.max_model_len:
+            raise ServiceError(
+                "invalid",
+                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the model's "
+                f"context of {self.max_model_len} tokens",
+            )
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        return GenRequest(rid, prompt_ids, params, session_id or None)
+
+    # ---- serving ----------------------------------------------------------------------------
+    async def stream(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
+        """Chunks from the chosen worker; raises ServiceError on failure."""
+        hashes = hash_full_blocks(req.prompt_ids, self.block_size)
+        tried: list[int] = []
+        params = req.params.model_dump()
+        for _attempt in range(self.cfg.max_retries + 1):
+            pick = await self.router.pick.remote(hashes, req.session_id, tried)
+            if "error" in pick:
+                if tried and pick["error"] == "unavailable":
+                    break
+                raise ServiceError(pick["error"], pick["message"])
+            idx, worker_id = pick["idx"], pick["worker_id"]
+            worker = self.workers[idx]
+            sent = 0
+            finished = False
+            try:
+                gen = worker.generate.remote(req.request_id, req.prompt_ids, params)
+                async for ref in gen:
+                    chunk = await ref
+                    if "error" in chunk:
+                        finished = True
+                        raise ServiceError(chunk["error"], chunk["message"])
+                    sent += len(chunk["token_ids"])
+                    finished = chunk["finish_reason"] is not None
+                    yield chunk
+                if not finished:
+                    raise ServiceError("internal", f"worker {worker_id} ended the stream early")
+                return
+            except RayActorError as e:
+                finished = True  # nothing left to abort on a dead worker
+                self.router.report_failure.remote(idx)
+                if sent == 0:
+                    log.warning("worker %s died before the first token of %s; retrying: %s",
+                                worker_id, req.request_id, e)
+                    tried.append(idx)
+                    continue
+                raise ServiceError(
+                    "unavailable",
+                    f"worker {worker_id} died mid-stream after {sent} tokens were sent; "
+                    "retry the request",
+                ) from None
+            finally:
+                self.router.release.remote(idx)
+                if not finished:  # client went away or cancelled: free the KV now
+                    worker.abort.remote(req.request_id)
+        raise ServiceError("unavailable", "no worker could take the request (workers died)")
+
+    async def complete(self, req: GenRequest) -> Result:
+        text, ids, last = [], [], None
+        async for chunk in self.stream(req):
+            text.append(chunk["text"])
+            ids.extend(chunk["token_ids"])
+            last = chunk
+        assert last is not None
+        return Result(req.request_id, "".join(text), ids, last["finish_reason"],
+                      last["stop_reason"], last["usage"], last["worker_id"])
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self.router.server_info.remote()
+
+
+def _has_surrogates(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def sampling_from_fields(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling fields a client set (unset ones keep the engine defaults)."""
+    return {n: getattr(obj, n) for n in names if getattr(obj, n, None) is not None}

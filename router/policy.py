@@ -1,0 +1,133 @@
+"""Routing policies: given the router's view of the workers, pick one for a request.
+
+Policies are pure functions of the view (no Ray), so they are easy to test and swap:
+register a new one in POLICIES and name it in ServeConfig.routing_policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerView:
+    """What the router knows about one worker."""
+
+    idx: int
+    worker_id: str
+    alive: bool = False
+    inflight: int = 0  # requests routed here and not yet released (router's own count)
+    running: int = 0
+    waiting: int = 0
+    parked: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    held_device: set[int] = field(default_factory=set)
+    held_host: set[int] = field(default_factory=set)
+    # hashes of prompts just routed here, held "soon" (before the next poll sees them)
+    pending: dict[int, float] = field(default_factory=dict)
+    incarnation: str = ""
+    restarts: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        return self.inflight
+
+    def holds(self, h: int) -> bool:
+        return h in self.held_device or h in self.held_host or h in self.pending
+
+    def prefix_match(self, hashes: list[int]) -> int:
+        """Leading prompt blocks this worker can serve from its device or host cache."""
+        n = 0
+        for h in hashes:
+            if not self.holds(h):
+                break
+            n += 1
+        return n
+
+
+@dataclass
+class RouteRequest:
+    block_hashes: list[int]
+    session_worker: int | None = None  # the worker that served this session last
+
+
+@dataclass
+class Decision:
+    idx: int
+    reason: str  # "session", "prefix", "least_loaded", "round_robin"
+    matched_blocks: int = 0
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, max_imbalance: int) -> None:
+        self.max_imbalance = max_imbalance
+
+    def choose(self, workers: list[WorkerView], req: RouteRequest) -> Decision:
+        raise NotImplementedError
+
+
+class LeastLoaded(Policy):
+    """Fewest requests in flight, then most free KV; ties rotate so equal load spreads."""
+
+    name = "least_loaded"
+
+    def __init__(self, max_imbalance: int) -> None:
+        super().__init__(max_imbalance)
+        self._rr = itertools.count()
+
+    def choose(self, workers: list[WorkerView], req: RouteRequest) -> Decision:
+        best = min(w.load for w in workers)
+        tied = [w for w in workers if w.load == best]
+        most_free = max(w.kv_blocks_free for w in tied)
+        tied = [w for w in tied if w.kv_blocks_free == most_free]
+        return Decision(tied[next(self._rr) % len(tied)].idx, "least_loaded")
+
+
+class Affinity(LeastLoaded):
+    """Exact KV affinity first (session, then longest held prefix), within an imbalance bound.
+
+    Affinity only wins while its worker has at most `max_imbalance` more requests in flight
+    than the least loaded one, so a hot prefix or session never piles everything on one worker.
+    """
+
+    name = "affinity"
+
+    def choose(self, workers: list[WorkerView], req: RouteRequest) -> Decision:
+        floor = min(w.load for w in workers)
+        ok = [w for w in workers if w.load - floor <= self.max_imbalance]
+        if req.session_worker is not None:
+            for w in ok:
+                if w.idx == req.session_worker:
+                    return Decision(w.idx, "session", w.prefix_match(req.block_hashes))
+        if req.block_hashes:
+            scored = [(w.prefix_match(req.block_hashes), -w.load, w.idx) for w in ok]
+            matched, _, idx = max(scored)
+            if matched > 0:
+                return Decision(idx, "prefix", matched)
+        return super().choose(workers, req)
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, max_imbalance: int) -> None:
+        super().__init__(max_imbalance)
+        self._rr = itertools.count()
+
+    def choose(self, workers: list[WorkerView], req: RouteRequest) -> Decision:
+        return Decision(workers[next(self._rr) % len(workers)].idx, "round_robin")
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Affinity, LeastLoaded, RoundRobin)}
+
+
+def make_policy(name: str, max_imbalance: int) -> Policy:
+    try:
+        return POLICIES[name](max_imbalance)
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}") from None

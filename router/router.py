@@ -1,0 +1,160 @@
+"""RouterActor: the global view of the workers and the single place routing decisions are made.
+
+The router owns the worker actors (so Ray restarts them when they die), polls their load
+and held prefix hashes, and answers `pick` with a worker index. It never sees tokens: the
+ingress streams from the chosen worker directly, so routing costs one small actor call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from kvserve.router.policy import RouteRequest, WorkerView, make_policy
+from kvserve.workers.worker_actor import create_worker
+
+log = logging.getLogger(__name__)
+
+ROUTER_NAME = "kvserve-router"
+NAMESPACE = "kvserve"
+PENDING_TTL_S = 5.0  # how long a just-routed prompt counts as held before a poll confirms it
+MAX_SESSIONS = 100_000
+
+
+class RouterActor:
+    def __init__(self, serve_config: dict[str, Any]) -> None:
+        from kvserve.deploy.config import ServeConfig
+
+        self.cfg = ServeConfig(**serve_config)
+        self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
+        engine = self.cfg.engine_config().model_dump()
+        self.handles = [
+            create_worker(f"worker-{i}", engine, self.cfg.num_cpus_per_worker,
+                          self.cfg.num_gpus_per_worker)
+            for i in range(self.cfg.num_workers)
+        ]
+        self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
+        self.sessions: OrderedDict[str, int] = OrderedDict()
+        self._poller: asyncio.Task | None = None
+        self._info: dict[str, Any] | None = None
+
+    # ---- setup ------------------------------------------------------------------------------
+    async def ready(self) -> dict[str, Any]:
+        """Wait until every worker has loaded its model; start polling. Returns model info."""
+        infos = await asyncio.gather(*(h.info.remote() for h in self.handles))
+        for v, info in zip(self.views, infos, strict=True):
+            v.alive, v.incarnation = True, info["incarnation"]
+        self._info = infos[0]
+        await self._poll_once()
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_loop())
+        return self._info
+
+    def workers(self) -> list[Any]:
+        return list(self.handles)
+
+    # ---- routing ----------------------------------------------------------------------------
+    def pick(
+        self, block_hashes: list[int], session_id: str | None, exclude: list[int]
+    ) -> dict[str, Any]:
+        """Choose a worker; {"idx", "worker_id", "reason"} or {"error", "message"}."""
+        alive = [v for v in self.views if v.alive and v.idx not in exclude]
+        if not alive:
+            return {"error": "unavailable", "message": "no worker is available to take the request"}
+        room = [v for v in alive if v.inflight < self.cfg.max_inflight_per_worker]
+        if not room:
+            return {"error": "overloaded",
+                    "message": f"all {len(alive)} workers are at their limit of "
+                               f"{self.cfg.max_inflight_per_worker} requests in flight; retry later"}
+        sw = self.sessions.get(session_id) if session_id else None
+        d = self.policy.choose(room, RouteRequest(block_hashes, sw))
+        v = self.views[d.idx]
+        v.inflight += 1
+        expiry = time.monotonic() + PENDING_TTL_S
+        for h in block_hashes:
+            v.pending[h] = expiry
+        if session_id:
+            self.sessions[session_id] = d.idx
+            self.sessions.move_to_end(session_id)
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        return {"idx": d.idx, "worker_id": v.worker_id, "reason": d.reason,
+                "matched_blocks": d.matched_blocks}
+
+    def release(self, idx: int) -> None:
+        v = self.views[idx]
+        v.inflight = max(0, v.inflight - 1)
+
+    def report_failure(self, idx: int) -> None:
+        """The ingress saw this worker die: stop routing to it until a poll finds it back."""
+        v = self.views[idx]
+        if v.alive:
+            log.warning("worker %s reported dead; waiting for its restart", v.worker_id)
+        v.alive = False
+
+    # ---- polling ----------------------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.load_poll_interval_s)
+            try:
+                await self._poll_once()
+            except Exception:
+                log.exception("polling workers failed")
+
+    async def _poll_once(self) -> None:
+        async def one(v: WorkerView) -> None:
+            try:
+                load = await asyncio.wait_for(self.handles[v.idx].load.remote(), timeout=5.0)
+            except Exception:  # dead or restarting: Ray brings it back, a later poll notices
+                v.alive = False
+                return
+            self._update(v, load)
+
+        await asyncio.gather(*(one(v) for v in self.views))
+
+    def _update(self, v: WorkerView, load: dict[str, Any]) -> None:
+        if load["incarnation"] != v.incarnation:
+            # a replaced worker starts with an empty cache: forget its sessions and prefixes
+            if v.incarnation:
+                v.restarts += 1
+                log.warning("worker %s was restarted (%d restarts)", v.worker_id, v.restarts)
+            v.incarnation = load["incarnation"]
+            v.pending.clear()
+            for s in [s for s, i in self.sessions.items() if i == v.idx]:
+                del self.sessions[s]
+        v.alive = True
+        v.running, v.waiting, v.parked = load["running"], load["waiting"], load["parked"]
+        v.kv_blocks_free, v.kv_blocks_total = load["kv_blocks_free"], load["kv_blocks_total"]
+        v.held_device = set(load["held"].get("device", ()))
+        v.held_host = set(load["held"].get("host", ()))
+        v.stats = load["stats"]
+        now = time.monotonic()
+        v.pending = {h: t for h, t in v.pending.items() if t > now}
+
+    # ---- introspection ----------------------------------------------------------------------
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "routing_policy": self.policy.name,
+            "model_info": self._info,
+            "workers": [
+                {"idx": v.idx, "worker_id": v.worker_id, "alive": v.alive, "inflight": v.inflight,
+                 "running": v.running, "waiting": v.waiting, "parked": v.parked,
+                 "kv_blocks_free": v.kv_blocks_free, "kv_blocks_total": v.kv_blocks_total,
+                 "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
+                 "restarts": v.restarts, "stats": dict(v.stats)}
+                for v in self.views
+            ],
+        }
+
+
+def get_or_create_router(serve_config: dict[str, Any]) -> Any:
+    """The router of this Ray cluster (one per application), created on first use."""
+    import ray
+
+    return ray.remote(RouterActor).options(
+        name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+        max_restarts=-1, max_concurrency=1000,
+    ).remote(serve_config)

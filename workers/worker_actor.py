@@ -1,0 +1,223 @@
+"""WorkerActor: one AsyncLLMEngine in a Ray actor, streaming coalesced chunks to the ingress.
+
+Each request's outputs are pumped from the engine into a per-request buffer; the Ray
+streaming generator yields everything buffered so far as one chunk. When the consumer
+keeps up, a chunk is one engine step; when it falls behind (Ray's generator backpressure
+pauses the yield), the steps in between merge into the next chunk instead of becoming one
+Ray object per token. Dropping or cancelling the stream, or `abort`, aborts the request in
+the engine, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from kvserve.config import EngineConfig
+from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling import SamplingParams
+from kvserve.workers.async_engine import AsyncLLMEngine
+
+log = logging.getLogger(__name__)
+
+# Unconsumed chunks a stream may have in flight before the worker's yield waits (and the
+# steps produced meanwhile coalesce into one chunk).
+STREAM_BACKPRESSURE = 4
+METRICS_PERIOD_S = 1.0
+PARKED_KEYS = ("parked", "parked_streams", "host_parked_streams", "num_parked")
+
+
+def _metric_name(key: str) -> str:
+    return "kvserve_worker_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class _Request:
+    """Outputs of one request, buffered between the engine pump and the stream."""
+
+    def __init__(self) -> None:
+        self.outs: list[RequestOutput] = []
+        self.error: BaseException | None = None
+        self.done = False
+        self.event = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def take_chunk(self, worker_id: str) -> dict[str, Any]:
+        outs, self.outs = self.outs, []
+        last = outs[-1]
+        return {
+            "token_ids": [t for o in outs for t in o.delta_token_ids],
+            "text": "".join(o.delta_text for o in outs),
+            "finish_reason": last.finish_reason,
+            "stop_reason": None if last.stop_reason is None else str(last.stop_reason),
+            "usage": [last.usage.prompt_tokens, last.usage.cached_tokens,
+                      last.usage.completion_tokens],
+            "worker_id": worker_id,
+        }
+
+
+class WorkerActor:
+    """Ray actor body (wrapped with ray.remote by `create_worker`)."""
+
+    def __init__(self, worker_id: str, engine_config: dict[str, Any]) -> None:
+        self.worker_id = worker_id
+        # changes on every (re)start: lets the router notice that the actor was replaced
+        self.incarnation = uuid.uuid4().hex
+        self.started_at = time.time()
+        self.config = EngineConfig(**engine_config)
+        self.engine = AsyncLLMEngine(self.config)
+        self._requests: dict[str, _Request] = {}
+        self._gauges: dict[str, Any] = {}
+        self._metrics_task: asyncio.Task | None = None
+        self.served = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
+    async def generate(
+        self, request_id: str, prompt: list[int] | str, params: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Stream chunks {token_ids, text, finish_reason, usage, worker_id} or one {error}."""
+        self._ensure_metrics()
+        try:
+            sp = SamplingParams(**params)
+        except ValueError as e:
+            yield {"error": "invalid", "message": str(e), "worker_id": self.worker_id}
+            return
+        if request_id in self._requests:
+            yield {"error": "invalid", "message": f"request id {request_id!r} is in use",
+                   "worker_id": self.worker_id}
+            return
+        req = _Request()
+        self._requests[request_id] = req
+        # the engine validates and tokenizes on the first step of this generator (in the pump)
+        req.task = asyncio.create_task(self._pump(self.engine.generate(prompt, sp, request_id), req))
+        try:
+            while True:
+                await req.event.wait()
+                req.event.clear()
+                if req.outs:
+                    chunk = req.take_chunk(self.worker_id)
+                    yield chunk
+                    if chunk["finish_reason"] is not None:
+                        self.served += 1
+                        return
+                if req.error is not None:
+                    bad = isinstance(req.error, InvalidRequestError | OutOfKVCacheError)
+                    kind = "invalid" if bad else "internal"
+                    yield {"error": kind, "message": str(req.error), "worker_id": self.worker_id}
+                    return
+                if req.done and not req.outs:
+                    return
+        finally:
+            # consumer gone (cancelled/closed) or finished: stop the pump, which aborts the
+            # request in the engine and frees its KV if it was still running
+            self._requests.pop(request_id, None)
+            if not req.task.done():
+                req.task.cancel()
+
+    async def _pump(self, gen: AsyncIterator[RequestOutput], req: _Request) -> None:
+        try:
+            async for out in gen:
+                req.outs.append(out)
+                req.event.set()
+        except asyncio.CancelledError:
+            await gen.aclose()
+            raise
+        except Exception as e:  # engine failure or late validation error
+            req.error = e
+        finally:
+            req.done = True
+            req.event.set()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request (its stream ends); KV blocks are freed by the engine."""
+        req = self._requests.get(request_id)
+        if req is None or req.task is None:
+            return False
+        req.task.cancel()
+        return True
+
+    # ---- load and info ----------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        """What the router needs: queue, KV room, held prefix hashes, identity."""
+        s = self.engine.stats()
+        parked = next((int(s[k]) for k in PARKED_KEYS if k in s), 0)
+        return {
+            "worker_id": self.worker_id,
+            "incarnation": self.incarnation,
+            "running": int(s.get("running", 0)),
+            "waiting": int(s.get("waiting", 0)),
+            "parked": parked,
+            "kv_blocks_free": int(s.get("kv_blocks_free", 0)),
+            "kv_blocks_total": int(s.get("kv_blocks_total", 0)),
+            "streams": len(self._requests),
+            "held": self.engine.engine.held_block_hashes(),
+            "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
+        }
+
+    def info(self) -> dict[str, Any]:
+        eng = self.engine.engine
+        return {
+            "worker_id": self.worker_id,
+            "incarnation": self.incarnation,
+            "max_model_len": eng.max_model_len,
+            "vocab_size": eng.model_config.vocab_size,
+            "block_size": self.config.block_size,
+            "model_path": str(eng.model_path),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def _ensure_metrics(self) -> None:
+        if self._metrics_task is None or self._metrics_task.done():
+            self._metrics_task = asyncio.create_task(self._metrics_loop())
+
+    async def ping(self) -> str:
+        self._ensure_metrics()
+        return self.incarnation
+
+    async def _metrics_loop(self) -> None:
+        from ray.util.metrics import Gauge
+
+        while True:
+            try:
+                for key, value in self.engine.stats().items():
+                    if isinstance(value, bool) or not isinstance(value, int | float):
+                        continue
+                    g = self._gauges.get(key)
+                    if g is None:  # new stat keys (e.g. the host tier's) appear automatically
+                        g = Gauge(_metric_name(key), description=f"engine stat {key!r}",
+                                  tag_keys=("worker",))
+                        self._gauges[key] = g
+                    g.set(float(value), tags={"worker": self.worker_id})
+            except Exception:  # metrics must never take a worker down
+                log.exception("exporting worker metrics failed")
+            await asyncio.sleep(METRICS_PERIOD_S)
+
+
+def create_worker(
+    worker_id: str,
+    engine_config: dict[str, Any],
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    name: str | None = None,
+) -> Any:
+    """Start a worker actor that Ray restarts (fresh engine) whenever it dies."""
+    cls = ray.remote(WorkerActor)
+    return cls.options(
+        name=name,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=-1,
+        max_task_retries=0,  # a half-served stream must not be replayed behind the client
+        max_concurrency=1000,
+    ).remote(worker_id, engine_config)
