@@ -225,7 +225,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if host is None:
             from kvserve.bench_serve_service import start_service
 
-            service = start_service(a, engine_config(a))
+            service = start_service(engine_config(a), a.api_key)
             host, port = "127.0.0.1", service.port(a.target)
         try:
             res, dur = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))

@@ -1,0 +1,56 @@
+"""The service `kvserve bench serve` starts for itself when it is given no --host.
+
+One worker whose engine has the settings of the bench's in-process engine (threads included),
+on free local ports, in a Ray instance this process starts and stops: the gRPC/HTTP run then
+differs from the engine run only by the serving path.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BenchService:
+    def __init__(self, grpc_port: int, http_port: int, api_key: str | None) -> None:
+        self.ports = {"grpc": grpc_port, "http": http_port}
+        self.api_key = api_key
+
+    def port(self, target: str) -> int:
+        return self.ports[target]
+
+    def stop(self) -> None:
+        from kvserve.deploy.serve_cli import shutdown
+
+        shutdown()
+
+
+def start_service(engine: Any, api_key: str | None = None) -> BenchService:
+    """Deploy the app with one worker running `engine` (an EngineConfig); wait until ready."""
+    import ray
+
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import deploy
+
+    if ray.is_initialized():
+        raise RuntimeError("bench serve starts its own Ray; pass --host to use a running service")
+    settings = engine.model_dump(exclude={"model"}, exclude_defaults=True)
+    cfg = ServeConfig(model=engine.model, num_workers=1, engine=settings,
+                      grpc_port=_free_port(), http_port=_free_port(),
+                      api_keys=[api_key] if api_key else [])
+    print(f"bench serve: starting the service (1 worker, {engine.num_threads} threads) ...",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    # the workers' logs stay in Ray's log files: the bench prints only its own figures
+    deploy(cfg, ray_init={"log_to_driver": False, "include_dashboard": False})
+    print(f"bench serve: service up in {time.perf_counter() - t0:.1f} s "
+          f"(gRPC :{cfg.grpc_port}, HTTP :{cfg.http_port})", file=sys.stderr, flush=True)
+    return BenchService(cfg.grpc_port, cfg.http_port, api_key)
