@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from kvserve.deploy import auth
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
@@ -31,17 +32,13 @@ async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
     return oa.error_response(exc)
 
 
-# API keys of this replica's config, checked before the body is parsed (401 before 400)
-_API_KEYS: frozenset[str] = frozenset()
-
-
 @app.middleware("http")
 async def _auth(request: Request, call_next: Any) -> Any:
-    if _API_KEYS and request.url.path.startswith("/v1/"):
-        key = oa.api_key(request)
-        if key not in _API_KEYS:
-            msg = "invalid API key" if key else "missing API key (send 'Authorization: Bearer KEY')"
-            return oa.error_response(ServiceError("unauthenticated", msg))
+    # checked before the body is parsed, so a bad key is a 401 whatever the body
+    if request.url.path.startswith("/v1/"):
+        err = auth.http_auth_error(request.headers)
+        if err is not None:
+            return oa.error_response(err)
     return await call_next(request)
 
 
@@ -50,9 +47,8 @@ async def _auth(request: Request, call_next: Any) -> Any:
 @serve.ingress(app)
 class KVServeIngress(GrpcFrontend):
     async def __init__(self, config: dict[str, Any]) -> None:
-        global _API_KEYS
         self.service = Service(ServeConfig(**config))
-        _API_KEYS = self.service.api_keys
+        auth.set_keys(self.service.api_keys)
         await self.service.start()
 
     async def _ready(self) -> Service:

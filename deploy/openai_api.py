@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,13 +74,6 @@ class ChatMessage(BaseModel):
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-
-
-def api_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key") or None
 
 
 def error_response(e: ServiceError) -> JSONResponse:

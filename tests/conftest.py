@@ -35,3 +35,7 @@ def smol_llm(smol_path):
     from kvserve import LLM
 
     return LLM(smol_path, kv_cache_tokens=16384)
+
+
+# The session's Ray + Serve app (`serve_app`), started only by tests that use it.
+from serve_fixtures import serve_app  # noqa: E402, F401

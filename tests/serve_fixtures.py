@@ -1,0 +1,78 @@
+"""The session's one local Ray + Serve app (two CPU workers), shared by all serving tests."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+API_KEY = "test-key"
+# small and frugal: 1 torch thread per worker, a small KV pool, a short context
+ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 1024, "max_num_seqs": 16}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServeApp:
+    grpc_port: int
+    http_port: int
+    api_key: str
+    router: Any
+    config: Any
+    metadata: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def workers(self) -> list[Any]:
+        import ray
+
+        return ray.get(self.router.workers.remote())
+
+    def server_info(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.router.server_info.remote())
+
+    def wait_all_alive(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(w["alive"] for w in self.server_info()["workers"]):
+                return
+            time.sleep(0.25)
+        raise TimeoutError("workers did not all come back")
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> Iterator[ServeApp]:
+    pytest.importorskip("ray.serve")
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import deploy, shutdown
+    from kvserve.router.router import NAMESPACE, ROUTER_NAME
+
+    cfg = ServeConfig(num_workers=2, num_cpus_per_worker=1, engine=ENGINE, api_keys=[API_KEY],
+                      grpc_port=free_port(), http_port=free_port(), max_imbalance=2)
+    deploy(cfg, ray_init={"num_cpus": 4, "include_dashboard": False, "log_to_driver": False})
+    import ray
+
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    app = ServeApp(cfg.grpc_port, cfg.http_port, API_KEY, router, cfg,
+                   metadata=(("authorization", f"Bearer {API_KEY}"),))
+    try:
+        yield app
+    finally:
+        shutdown()

@@ -1,0 +1,111 @@
+"""End to end through Ray Serve: generated gRPC stubs, the openai SDK, reflection (real model)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvserve.protos import kvserve_pb2 as pb
+from kvserve.protos import kvserve_pb2_grpc
+from kvserve.sampling import SamplingParams
+
+PROMPT = "The three primary colors are"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def stub(serve_app):
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        yield kvserve_pb2_grpc.KVServeStub(ch)
+
+
+@pytest.fixture(scope="module")
+def offline(smol_llm):
+    p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    return {
+        "text": smol_llm.generate([PROMPT], p)[0].text,
+        "chat": smol_llm.chat([{"role": "user", "content": "Name a fruit."}], p)[0].text,
+    }
+
+
+def _greedy(n: int = MAX_TOKENS) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0, max_tokens=n)
+
+
+def test_grpc_unary_and_stream_match_offline(serve_app, stub, offline):
+    md = serve_app.metadata
+    r = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()), metadata=md)
+    assert r.text == offline["text"]
+    assert r.finish_reason in ("length", "stop") and r.worker_id.startswith("worker-")
+    assert r.usage.completion_tokens == len(r.token_ids) > 0
+    assert r.usage.prompt_tokens > 0 and r.model
+
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()),
+                                      metadata=md))
+    assert "".join(c.delta_text for c in chunks) == offline["text"]
+    assert [t for c in chunks for t in c.delta_token_ids] == list(r.token_ids)
+    assert all(not c.finish_reason for c in chunks[:-1]) and chunks[-1].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(r.token_ids)
+
+
+def test_grpc_chat_matches_offline(serve_app, stub, offline):
+    req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Name a fruit.")],
+                         sampling=_greedy())
+    assert stub.Chat(req, metadata=serve_app.metadata).text == offline["chat"]
+    text = "".join(c.delta_text for c in stub.ChatStream(req, metadata=serve_app.metadata))
+    assert text == offline["chat"]
+
+
+def test_grpc_info_methods(serve_app, stub):
+    md = serve_app.metadata
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=md).models
+    assert len(models) == 1 and models[0].max_model_len == 1024
+    tok = stub.Tokenize(pb.TokenizeRequest(prompt=PROMPT), metadata=md)
+    assert tok.count == len(tok.token_ids) > 0
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md)
+    assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
+    assert all(w.total_device_blocks == 256 for w in info.workers)
+    assert "kv_blocks_free" in info.workers[0].stats and info.routing_policy == "affinity"
+
+
+def test_grpc_reflection_lists_the_service(serve_app):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        resp = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=10)))
+    names = {s.name for s in resp.list_services_response.service}
+    assert "kvserve.v1.KVServe" in names
+
+
+def test_http_openai_sdk_stream_matches_offline(serve_app, offline):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=serve_app.http_url + "/v1", api_key=serve_app.api_key,
+                           max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True)
+    parts = [c.choices[0].text for c in stream if c.choices]
+    assert "".join(parts) == offline["text"] and len(parts) > 1
+
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == offline["text"] and r.usage.completion_tokens > 0
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(chat)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == offline["chat"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_http_health(serve_app):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(serve_app.http_url + "/health", timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read())["workers_alive"] == 2
