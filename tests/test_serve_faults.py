@@ -1,0 +1,118 @@
+"""Faults: a client cancel frees the KV on the worker; a killed worker is survived and replaced."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+
+from kvserve.protos import kvserve_pb2 as pb
+from kvserve.protos import kvserve_pb2_grpc
+
+
+def _long(session: str | None = None, n: int = 800) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(prompt="Count from one to one thousand:",
+                             sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True))
+    if session:
+        req.session_id = session
+    return req
+
+
+def _wait_idle(worker, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = ray.get(worker.stats.remote())
+        if s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker still busy after the cancel: {s}")
+        time.sleep(0.1)
+
+
+def _worker(serve_app, worker_id: str):
+    return serve_app.workers()[int(worker_id.rsplit("-", 1)[1])]
+
+
+def test_grpc_cancel_mid_stream_frees_kv(serve_app):
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = kvserve_pb2_grpc.KVServeStub(ch)
+        call = stub.GenerateStream(_long(), metadata=serve_app.metadata)
+        first = [next(call) for _ in range(3)]
+        worker = _worker(serve_app, first[0].worker_id)
+        assert ray.get(worker.stats.remote())["kv_blocks_used"] > 0
+        call.cancel()
+        _wait_idle(worker)
+
+
+def test_http_disconnect_mid_stream_frees_kv(serve_app):
+    body = json.dumps({"prompt": "Count from one to one thousand:", "max_tokens": 800,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(serve_app.http_url + "/v1/completions", data=body, headers={
+        "content-type": "application/json", "authorization": f"Bearer {serve_app.api_key}"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    line = b""
+    while not line.startswith(b"data: {"):
+        line = resp.readline()
+    worker = _worker(serve_app, json.loads(line[6:])["kvserve_worker"])
+    resp.close()  # the client goes away mid-stream
+    _wait_idle(worker)
+
+
+def test_killed_worker_is_survived_and_replaced(serve_app):
+    serve_app.wait_all_alive()
+    md = serve_app.metadata
+    restarts_before = {w["worker_id"]: w["restarts"] for w in serve_app.server_info()["workers"]}
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = kvserve_pb2_grpc.KVServeStub(ch)
+        # two long streams, one per worker (sessions pin nothing yet: least loaded alternates)
+        calls = [stub.GenerateStream(_long(n=600), metadata=md) for _ in range(2)]
+        firsts = [next(c) for c in calls]
+        by_worker = {f.worker_id: c for f, c in zip(firsts, calls, strict=True)}
+        assert set(by_worker) == {"worker-0", "worker-1"}
+        victim_id = "worker-0"
+        ray.kill(_worker(serve_app, victim_id), no_restart=False)
+
+        # requests arriving now are served (by the survivor, or retried before a first token)
+        def short(i: int) -> pb.GenerateResponse:
+            return stub.Generate(pb.GenerateRequest(
+                prompt=f"Say {i}.", sampling=pb.SamplingParams(max_tokens=3)),
+                metadata=md, timeout=120)
+
+        with ThreadPoolExecutor(6) as ex:
+            served = list(ex.map(short, range(6)))
+        assert all(r.usage.completion_tokens >= 1 for r in served)
+
+        # the stream that was on the dead worker ends with UNAVAILABLE, tokens accounted for
+        with pytest.raises(grpc.RpcError) as ei:
+            for _ in by_worker[victim_id]:
+                pass
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "mid-stream" in ei.value.details() and "tokens" in ei.value.details()
+        by_worker["worker-1"].cancel()
+
+    # the worker comes back (a fresh actor) and the router notices
+    serve_app.wait_all_alive(timeout=120)
+    info = {w["worker_id"]: w for w in serve_app.server_info()["workers"]}
+    assert info[victim_id]["restarts"] == restarts_before[victim_id] + 1
+    assert ray.get(_worker(serve_app, victim_id).stats.remote())["running"] == 0
+
+    stop = threading.Event()
+    seen: set[str] = set()
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = kvserve_pb2_grpc.KVServeStub(ch)
+
+        def go(i: int) -> None:
+            if not stop.is_set():
+                seen.add(stub.Generate(pb.GenerateRequest(
+                    prompt=f"Name {i} animals.", sampling=pb.SamplingParams(max_tokens=4)),
+                    metadata=md, timeout=120).worker_id)
+
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(go, range(8)))
+    assert victim_id in seen
