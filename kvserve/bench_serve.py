@@ -27,6 +27,7 @@ from kvserve.bench_serve_dataset import (
     prefix_repetition_dataset,
     random_dataset,
 )
+from kvserve.bench_serve_load import CpuMeter
 from kvserve.bench_serve_metrics import (
     RequestResult,
     compare,
@@ -126,7 +127,7 @@ async def bench_one(
     requests: list[BenchRequest],
     warmups: list[BenchRequest],
     a: argparse.Namespace,
-) -> tuple[list[RequestResult], float]:
+) -> tuple[list[RequestResult], float, CpuMeter]:
     await client.start()
     try:
         for w in warmups:  # one at a time: the first forward passes are slow, keep them out
@@ -134,8 +135,10 @@ async def bench_one(
             if not r.success:
                 raise RuntimeError(f"{client.name}: warm-up request failed: {r.error}")
         offsets = arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed)
-        return await run_requests(client, requests, offsets, a.max_concurrency,
-                                  a.progress, f"bench {client.name}")
+        with CpuMeter() as meter:
+            res, dur = await run_requests(client, requests, offsets, a.max_concurrency,
+                                          a.progress, f"bench {client.name}")
+        return res, dur, meter
     finally:
         await client.close()
 
@@ -202,10 +205,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     warmups = build_requests(a, a.seed + 7919, a.num_warmups, 4) if a.num_warmups else []
     runs: dict[str, dict[str, Any]] = {}
 
-    def record(name: str, results: list[RequestResult], duration: float) -> None:
+    def record(name: str, results: list[RequestResult], duration: float, meter: CpuMeter) -> None:
         m = compute_metrics(results, duration, slos, a.percentile_list)
         errors = sorted({r.error for r in results if not r.success})
-        runs[name] = {"metrics": m, "errors": errors[:10]}
+        runs[name] = {"metrics": m, "errors": errors[:10], "cpu": meter.figures}
         if a.save_detailed:
             runs[name]["requests"] = [
                 {"prompt_len": r.prompt_len, "output_len": r.output_len, "ttft": r.ttft,
@@ -215,10 +218,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(format_block(m, title, a.percentile_list, a.max_concurrency))
         for e in errors[:3]:
             print(f"  failed: {e}")
+        if warn := meter.warning(name):
+            print(warn)
 
     if a.target == "engine" or a.compare_engine:
-        res, dur = asyncio.run(bench_one(EngineClient(engine_config(a)), requests, warmups, a))
-        record("engine", res, dur)
+        record("engine", *asyncio.run(bench_one(EngineClient(engine_config(a)), requests, warmups, a)))
     if a.target != "engine":
         service = None
         host, port = a.host, a.port or DEFAULT_PORTS[a.target]
@@ -228,15 +232,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
             service = start_service(engine_config(a), a.api_key)
             host, port = "127.0.0.1", service.port(a.target)
         try:
-            res, dur = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))
+            outcome = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))
         finally:
             if service is not None:
                 service.stop()
-        record(a.target, res, dur)
+        record(a.target, *outcome)
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target": a.target,
         "workload": workload(a, requests),
+        # the in-process engine's settings; also the self-started service's (one worker)
+        "engine": engine_config(a).model_dump(),
         "runs": runs,
     }
     if a.compare_engine:

@@ -233,3 +233,18 @@ def test_end_to_end_against_the_service(serve_app, target, tmp_path, capsys):
 def test_bench_request_is_plain_data():
     r = BenchRequest("hi", [1, 2], 3)
     assert r.prompt_len == 2
+
+
+def test_cpu_meter_counts_this_process_as_the_bench():
+    import time
+
+    from kvserve.bench_serve_load import CpuMeter
+
+    with CpuMeter() as meter:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:  # one busy core
+            pass
+    f = meter.figures
+    assert f["bench_cores"] == pytest.approx(1.0, abs=0.5)
+    assert f["other_cores"] >= 0.0
+    assert CpuMeter().warning("x") is None  # no figures, no warning
