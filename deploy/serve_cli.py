@@ -61,3 +61,43 @@ def serve_forever(cfg: ServeConfig) -> int:
     print("kvserve: shutting down", flush=True)
     shutdown()
     return 0
+
+
+def add_serve_parser(sub: Any) -> None:
+    s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
+    s.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
+    s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 if CUDA else 0")
+    s.add_argument("--cpus-per-worker", type=float, default=1)
+    s.add_argument("--grpc-port", type=int, default=9000)
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    s.add_argument("--api-key", action="append", default=[],
+                   help="accepted API key (repeatable; also $KVSERVE_API_KEYS)")
+    s.add_argument("--routing-policy", default="affinity",
+                   choices=["affinity", "least_loaded", "round_robin"])
+    s.add_argument("--max-inflight-per-worker", type=int, default=256)
+    e = s.add_argument_group("engine")
+    e.add_argument("--kv-cache-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: Any) -> int:
+    engine = {k: v for k, v in {
+        "kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
+        "max_num_seqs": a.max_num_seqs, "num_threads": a.threads}.items() if v is not None}
+    gpus = a.gpus_per_worker
+    if gpus is None:
+        import torch
+
+        gpus = 1 if torch.cuda.is_available() else 0
+    cfg = ServeConfig(
+        model=a.model, num_workers=a.workers, num_gpus_per_worker=gpus,
+        num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
+        http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
+        routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
+    )
+    return serve_forever(cfg)

@@ -73,6 +73,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
     params = _params(a)
+    if a.server:  # stream from a running server over gRPC instead of loading the model here
+        from kvserve.grpc_client import cmd_generate_remote
+
+        return cmd_generate_remote(a, params.model_dump(exclude_defaults=True) | {
+            "max_tokens": params.max_tokens, "temperature": params.temperature})
     llm = LLM(model=a.model, **_settings(a))
     ids = llm.tokenizer.encode(a.prompt)
     _stream(llm, ids, params)
@@ -117,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     _engine_args(g)
     _sampling_args(g, max_tokens=128)
+    r = g.add_argument_group("remote")
+    r.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="stream from a running `kvserve serve` over gRPC")
+    r.add_argument("--api-key", default=None)
+    r.add_argument("--session-id", default=None, help="multi-turn affinity (same worker)")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="chat with the model through its chat template (offline)")
     c.add_argument("message", nargs="*", help="the user message; none = interactive")
@@ -124,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     _sampling_args(c, max_tokens=256)
     c.set_defaults(func=cmd_chat)
+    from kvserve.deploy.serve_cli import add_serve_parser
+
+    add_serve_parser(sub)
     from kvserve.bench import add_bench_parser
 
     add_bench_parser(sub)

@@ -1,0 +1,57 @@
+"""`kvserve generate --server`, the Serve config YAML, the builder and ServeConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvserve.deploy.config import ServeConfig
+from kvserve.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generate_against_server_streams_offline_text(serve_app, smol_llm, capsys):
+    from kvserve.cli import main
+
+    prompt = "The capital of France is"
+    rc = main(["generate", "--server", serve_app.grpc_target, "--api-key", serve_app.api_key,
+               "--prompt", prompt, "--max-tokens", "10"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    expect = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].text
+    assert out == expect + "\n"
+    assert "served by worker-" in err
+
+    rc = main(["generate", "--server", serve_app.grpc_target, "--prompt", prompt])
+    assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_serve_config_yaml_is_valid_for_serve_and_kvserve():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema(**doc)
+    app = doc["applications"][0]
+    cfg = ServeConfig(**app["args"])
+    assert cfg.grpc_port == schema.grpc_options.port and cfg.http_port == schema.http_options.port
+    from ray.serve.config import gRPCOptions
+
+    fns = gRPCOptions(grpc_servicer_functions=doc["grpc_options"]["grpc_servicer_functions"])
+    assert len(fns.grpc_servicer_func_callable) == 1
+    from kvserve.deploy.app import build_app
+
+    assert build_app({**app["args"], "num_workers": "2"}) is not None  # serve run passes strings
+
+
+def test_serve_config_api_keys_and_engine(monkeypatch):
+    monkeypatch.setenv("KVSERVE_API_KEYS", "k2, k3")
+    cfg = ServeConfig(api_keys="k1,k2", engine={"num_threads": 1})
+    assert cfg.resolved_api_keys() == ["k1", "k2", "k3"]
+    assert cfg.engine_config().num_threads == 1
+    with pytest.raises(ValueError):
+        ServeConfig(engine={"kv_cache_tokenz": 5})
+    with pytest.raises(ValueError):
+        ServeConfig(num_workers=0)
