@@ -207,6 +207,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     def record(name: str, results: list[RequestResult], duration: float, meter: CpuMeter) -> None:
         m = compute_metrics(results, duration, slos, a.percentile_list)
+        if meter.figures and m["total_output_tokens"]:
+            # CPU of the whole serving stack (client included) per token: steadier than tok/s
+            # under other load, and on a CPU-bound host the serving path's cost shows here
+            m["cpu_ms_per_output_token"] = (meter.figures["bench_cores"] * duration * 1000.0
+                                            / m["total_output_tokens"])
         errors = sorted({r.error for r in results if not r.success})
         runs[name] = {"metrics": m, "errors": errors[:10], "cpu": meter.figures}
         if a.save_detailed:
@@ -221,6 +226,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if warn := meter.warning(name):
             print(warn)
 
+    if a.compare_engine and a.host:
+        print("bench serve: note: the in-process engine runs with this command's engine "
+              "settings; the server at --host must use the same for a fair comparison",
+              file=sys.stderr)
     if a.target == "engine" or a.compare_engine:
         record("engine", *asyncio.run(bench_one(EngineClient(engine_config(a)), requests, warmups, a)))
     if a.target != "engine":
@@ -251,6 +260,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"{a.target} / engine output tok/s: {c['output_throughput_ratio']:.3f}x   "
               f"TTFT p50 overhead: {c['ttft_p50_overhead_ms']:+.1f} ms   "
               f"(mean {c['ttft_mean_overhead_ms']:+.1f} ms)")
+        if "cpu_per_token_ratio" in c:
+            print(f"{a.target} / engine CPU per output token: {c['cpu_per_token_ratio']:.3f}x")
     if a.save_result:
         with open(a.save_result, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -60,6 +60,7 @@ class CpuMeter:
         own = sum(t - self._tree0.get(pid, 0.0) for pid, t in tree1.items())
         self.figures = {
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "wall_s": wall,
             "bench_cores": own / wall,  # this process and its children (service included)
             "other_cores": max(0.0, busy - own) / wall,
         }

@@ -149,6 +149,8 @@ def format_block(
         row("Request goodput (req/s):", m["request_goodput"], ".2f")
     row("Output token throughput (tok/s):", m["output_throughput"], ".2f")
     row("Total Token throughput (tok/s):", m["total_token_throughput"], ".2f")
+    if "cpu_ms_per_output_token" in m:
+        row("CPU per output token (ms):", m["cpu_ms_per_output_token"], ".2f")
     sections = (
         ("ttft", "TTFT", "Time to First Token"),
         ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
@@ -168,9 +170,13 @@ def format_block(
 def compare(engine: dict[str, Any], target: dict[str, Any]) -> dict[str, float]:
     """The issue's two figures: output tok/s ratio target/engine and the TTFT p50 overhead."""
     base = engine["output_throughput"]
-    return {
+    c = {
         "output_throughput_ratio": target["output_throughput"] / base if base > 0 else 0.0,
         "ttft_p50_overhead_ms": target["median_ttft_ms"] - engine["median_ttft_ms"],
         "ttft_mean_overhead_ms": target["mean_ttft_ms"] - engine["mean_ttft_ms"],
         "e2el_p50_overhead_ms": target["median_e2el_ms"] - engine["median_e2el_ms"],
     }
+    cpu = "cpu_ms_per_output_token"
+    if engine.get(cpu) and target.get(cpu):
+        c["cpu_per_token_ratio"] = target[cpu] / engine[cpu]
+    return c

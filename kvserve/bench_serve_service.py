@@ -38,7 +38,7 @@ def start_service(engine: Any, api_key: str | None = None) -> BenchService:
     import ray
 
     from kvserve.deploy.config import ServeConfig
-    from kvserve.deploy.serve_cli import deploy
+    from kvserve.deploy.serve_cli import deploy, shutdown
 
     if ray.is_initialized():
         raise RuntimeError("bench serve starts its own Ray; pass --host to use a running service")
@@ -50,7 +50,11 @@ def start_service(engine: Any, api_key: str | None = None) -> BenchService:
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # the workers' logs stay in Ray's log files: the bench prints only its own figures
-    deploy(cfg, ray_init={"log_to_driver": False, "include_dashboard": False})
+    try:
+        deploy(cfg, ray_init={"log_to_driver": False, "include_dashboard": False})
+    except BaseException:  # Ctrl-C or a failed deploy: do not leave Ray running
+        shutdown()
+        raise
     print(f"bench serve: service up in {time.perf_counter() - t0:.1f} s "
           f"(gRPC :{cfg.grpc_port}, HTTP :{cfg.http_port})", file=sys.stderr, flush=True)
     return BenchService(cfg.grpc_port, cfg.http_port, api_key)
