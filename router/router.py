@@ -134,6 +134,11 @@ class RouterActor:
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
 
+    def set_max_inflight_per_worker(self, n: int) -> int:
+        """Change the overload limit at run time (operators, tests); returns the old one."""
+        old, self.cfg.max_inflight_per_worker = self.cfg.max_inflight_per_worker, max(1, int(n))
+        return old
+
     # ---- introspection ----------------------------------------------------------------------
     def server_info(self) -> dict[str, Any]:
         return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -116,3 +117,40 @@ def test_killed_worker_is_survived_and_replaced(serve_app):
         with ThreadPoolExecutor(4) as ex:
             list(ex.map(go, range(8)))
     assert victim_id in seen
+
+
+def test_overload_is_shed_with_resource_exhausted(serve_app):
+    router = serve_app.router
+    old = ray.get(router.set_max_inflight_per_worker.remote(1))
+    try:
+        with grpc.insecure_channel(serve_app.grpc_target) as ch:
+            stub = kvserve_pb2_grpc.KVServeStub(ch)
+            calls = [stub.GenerateStream(_long(n=400), metadata=serve_app.metadata)
+                     for _ in range(2)]
+            assert {next(c).worker_id for c in calls} == {"worker-0", "worker-1"}
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=serve_app.metadata)
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry later" in ei.value.details()
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            req = urllib.request.Request(serve_app.http_url + "/v1/completions", data=body,
+                                         headers={"content-type": "application/json",
+                                                  "authorization": f"Bearer {serve_app.api_key}"})
+            with pytest.raises(urllib.error.HTTPError) as he:
+                urllib.request.urlopen(req, timeout=60)
+            assert he.value.code == 429
+            for c in calls:
+                c.cancel()
+    finally:
+        ray.get(router.set_max_inflight_per_worker.remote(old))
+    for w in serve_app.workers():
+        _wait_idle(w)
+
+
+def test_workers_export_engine_stats_as_metrics(serve_app):
+    for w in serve_app.workers():
+        names = ray.get(w.exported_metrics.remote())
+        stats = ray.get(w.stats.remote())
+        numeric = [k for k, v in stats.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)]
+        assert len(names) == len(numeric) and "kvserve_worker_kv_blocks_free" in names

@@ -145,8 +145,9 @@ class WorkerActor:
         return True
 
     # ---- load and info ----------------------------------------------------------------------
-    def load(self) -> dict[str, Any]:
+    async def load(self) -> dict[str, Any]:
         """What the router needs: queue, KV room, held prefix hashes, identity."""
+        self._ensure_metrics()  # polled from the start, so a fresh worker exports at once
         s = self.engine.stats()
         parked = next((int(s[k]) for k in PARKED_KEYS if k in s), 0)
         return {
@@ -184,6 +185,10 @@ class WorkerActor:
     async def ping(self) -> str:
         self._ensure_metrics()
         return self.incarnation
+
+    def exported_metrics(self) -> list[str]:
+        """Names of the Ray gauges this worker exports (one per numeric engine stat)."""
+        return sorted(_metric_name(k) for k in self._gauges)
 
     async def _metrics_loop(self) -> None:
         from ray.util.metrics import Gauge
