@@ -1,0 +1,69 @@
+"""WorkerActor's body in-process (real engine, no Ray): coalesced chunks, abort, held hashes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvserve.kvcache.hashing import hash_full_blocks
+from kvserve.workers.worker_actor import WorkerActor
+
+ENGINE = {"num_threads": 1, "kv_cache_tokens": 2048, "max_model_len": 512}
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = WorkerActor("worker-t", ENGINE)
+    yield w
+    w.engine.shutdown()
+
+
+def _collect(worker, rid: str, ids: list[int], n: int, delay: float) -> list[dict]:
+    async def run() -> list[dict]:
+        chunks = []
+        params = {"max_tokens": n, "temperature": 0, "ignore_eos": True}
+        async for c in worker.generate(rid, ids, params):
+            chunks.append(c)
+            await asyncio.sleep(delay)
+        return chunks
+
+    return asyncio.run(run())
+
+
+def test_slow_consumer_gets_coalesced_chunks(worker):
+    ids = worker.engine.tokenizer.encode("Once upon a time")
+    fast = _collect(worker, "fast", ids, 24, 0.0)
+    slow = _collect(worker, "slow", ids, 24, 0.3)  # far slower than a step of this small model
+    tokens = [t for c in fast for t in c["token_ids"]]
+    assert len(tokens) == 24 and [t for c in slow for t in c["token_ids"]] == tokens
+    assert "".join(c["text"] for c in slow) == "".join(c["text"] for c in fast)
+    assert len(slow) < len(fast) and max(len(c["token_ids"]) for c in slow) > 1
+    assert slow[-1]["finish_reason"] == "length" and slow[-1]["usage"][2] == 24
+    assert all(c["worker_id"] == "worker-t" for c in slow)
+
+
+def test_held_hashes_match_the_routers_hashing(worker):
+    ids = worker.engine.tokenizer.encode("A long shared system prompt for everyone. " * 6)
+    _collect(worker, "held", ids, 2, 0.0)
+    load = asyncio.run(worker.load())
+    want = hash_full_blocks(ids, worker.config.block_size)
+    assert len(want) >= 2 and set(want) <= set(load["held"]["device"])
+    assert load["running"] == 0 and load["worker_id"] == "worker-t"
+
+
+def test_bad_params_and_abort(worker):
+    async def run() -> tuple[list[dict], dict]:
+        bad = [c async for c in worker.generate("bad", [1, 2], {"top_p": 3})]
+        out = []
+        agen = worker.generate("long", [1, 2, 3], {"max_tokens": 400, "ignore_eos": True})
+        out.append(await agen.__anext__())
+        assert await worker.abort("long")
+        async for c in agen:
+            out.append(c)
+        await asyncio.sleep(0.2)
+        return bad, worker.engine.stats() | {"n": len(out)}
+
+    bad, stats = asyncio.run(run())
+    assert bad[0]["error"] == "invalid" and "top_p" in bad[0]["message"]
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
