@@ -5,7 +5,7 @@ at most --max-concurrency at once, to the gRPC or OpenAI HTTP endpoint of a runn
 service, or straight into an in-process AsyncLLMEngine (--target engine).
 --compare-engine runs the same requests through the engine first and then through the
 target, and prints the issue's two figures: output tok/s of target / engine, and the
-TTFT p50 overhead in ms. Without --host, a grpc/http run starts the service itself
+TTFT p50 overhead in ms. Without --host and --port, a grpc/http run starts the service itself
 (one worker, the same engine settings as the in-process engine) and stops it at the end.
 """
 
@@ -43,7 +43,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("serve", help="online serving benchmark (vllm bench serve style)")
     p.add_argument("--target", choices=["grpc", "http", "engine"], default="grpc")
     p.add_argument("--host", default=None,
-                   help="server host; none = start the service here (one worker) for the run")
+                   help="server host (127.0.0.1 if only --port is given); with neither, the "
+                        "bench starts the service itself (one worker) for the run")
     p.add_argument("--port", type=int, default=None, help="default: 9000 grpc, 8000 http")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None,
@@ -182,8 +183,8 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--num-warmups must be >= 0, got {a.num_warmups}"
     if a.target == "engine" and a.compare_engine:
         return "--compare-engine compares a grpc or http target with the engine"
-    if a.target == "engine" and a.host:
-        return "--target engine runs in this process; --host is for grpc/http"
+    if a.target == "engine" and (a.host or a.port):
+        return "--target engine runs in this process; --host/--port are for grpc/http"
     try:
         parse_goodput(a.goodput)
         arrival_offsets(1, a.request_rate, a.burstiness, 0)
@@ -226,7 +227,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if warn := meter.warning(name):
             print(warn)
 
-    if a.compare_engine and a.host:
+    if a.compare_engine and (a.host or a.port):
         print("bench serve: note: the in-process engine runs with this command's engine "
               "settings; the server at --host must use the same for a fair comparison",
               file=sys.stderr)
@@ -234,8 +235,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         record("engine", *asyncio.run(bench_one(EngineClient(engine_config(a)), requests, warmups, a)))
     if a.target != "engine":
         service = None
-        host, port = a.host, a.port or DEFAULT_PORTS[a.target]
-        if host is None:
+        host, port = a.host or "127.0.0.1", a.port or DEFAULT_PORTS[a.target]
+        if a.host is None and a.port is None:
             from kvserve.bench_serve_service import start_service
 
             service = start_service(engine_config(a), a.api_key)
@@ -280,7 +281,7 @@ def workload(a: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, A
         "random_range_ratio": a.random_range_ratio, "seed": a.seed,
         "model": a.model or "default", "num_warmups": a.num_warmups,
         "prompt_tokens": sum(r.prompt_len for r in requests),
-        "host": a.host or "self-started", "cores": available_cores(),
+        "host": a.host or ("127.0.0.1" if a.port else "self-started"), "cores": available_cores(),
     }
     if a.dataset == "prefix-repetition":
         w.update(prefix_len=a.prefix_len, num_prefixes=a.num_prefixes)

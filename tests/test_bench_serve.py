@@ -167,16 +167,17 @@ def test_prefix_repetition_shares_prefixes(tok):
 
 
 # ---- end to end ------------------------------------------------------------------------------
-def test_engine_target_runs_the_requests(tok, smol_path):
+def test_engine_target_runs_the_requests(tok, smol_llm):
     from kvserve.bench_serve import run_requests
     from kvserve.bench_serve_clients import EngineClient
-    from kvserve.config import EngineConfig
+    from kvserve.workers.async_engine import AsyncLLMEngine
 
     reqs = random_dataset(tok, 3, 24, 5, 0.0, seed=6)
 
     async def go() -> tuple[list[RequestResult], float]:
-        client = EngineClient(EngineConfig(model=smol_path, kv_cache_tokens=1024, num_threads=2))
-        await client.start()
+        client = EngineClient(smol_llm.engine.config)
+        # the session's engine (no second model load); close() stops only the async wrapper
+        client.engine = AsyncLLMEngine(engine=smol_llm.engine)
         try:
             return await run_requests(client, reqs, [0.0, 0.0, 0.05], max_concurrency=2)
         finally:
@@ -216,7 +217,7 @@ def test_end_to_end_against_the_service(serve_app, target, tmp_path, capsys):
     out = tmp_path / f"{target}.json"
     port = serve_app.grpc_port if target == "grpc" else serve_app.http_port
     rc = _bench_cli([
-        "--target", target, "--host", "127.0.0.1", "--port", str(port),
+        "--target", target, "--port", str(port),  # host: 127.0.0.1 when only the port is given
         "--num-prompts", "4", "--random-input-len", "32", "--random-output-len", "4",
         "--request-rate", "20", "--max-concurrency", "2", "--num-warmups", "1",
         "--goodput", "ttft:60000", "--no-progress", "--save-result", str(out),
