@@ -39,6 +39,10 @@ from kvserve.bench_serve_metrics import (
 DEFAULT_PORTS = {"grpc": 9000, "http": 8000}
 
 
+class BenchError(Exception):
+    """A run that cannot go on (server unreachable, warm-up rejected): one clear line."""
+
+
 def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("serve", help="online serving benchmark (vllm bench serve style)")
     p.add_argument("--target", choices=["grpc", "http", "engine"], default="grpc")
@@ -129,12 +133,16 @@ async def bench_one(
     warmups: list[BenchRequest],
     a: argparse.Namespace,
 ) -> tuple[list[RequestResult], float, CpuMeter]:
-    await client.start()
+    try:
+        await client.start()
+    except Exception as e:  # unreachable server, wrong key on ListModels, model load error
+        await client.close()
+        raise BenchError(f"{client.name}: cannot start: {_describe(e)}") from e
     try:
         for w in warmups:  # one at a time: the first forward passes are slow, keep them out
             r = await client.send(w)
             if not r.success:
-                raise RuntimeError(f"{client.name}: warm-up request failed: {r.error}")
+                raise BenchError(f"{client.name}: warm-up request failed: {r.error}")
         offsets = arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed)
         with CpuMeter() as meter:
             res, dur = await run_requests(client, requests, offsets, a.max_concurrency,
@@ -142,6 +150,13 @@ async def bench_one(
         return res, dur, meter
     finally:
         await client.close()
+
+
+def _describe(e: BaseException) -> str:
+    details = getattr(e, "details", None)  # grpc.aio.AioRpcError
+    if callable(details) and callable(getattr(e, "code", None)):
+        return f"{e.code().name}: {details()}"
+    return f"{type(e).__name__}: {e}"
 
 
 def engine_config(a: argparse.Namespace) -> Any:
@@ -201,6 +216,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if err:
         print(f"kvserve bench serve: {err}", file=sys.stderr)
         return 2
+    try:
+        return _bench(a)
+    except BenchError as e:
+        print(f"kvserve bench serve: {e}", file=sys.stderr)
+        return 1
+
+
+def _bench(a: argparse.Namespace) -> int:
     slos = parse_goodput(a.goodput)
     requests = build_requests(a, a.seed, a.num_prompts, a.random_output_len)
     warmups = build_requests(a, a.seed + 7919, a.num_warmups, 4) if a.num_warmups else []

@@ -203,6 +203,23 @@ def test_cli_rejects_bad_arguments(capsys):
         assert "kvserve bench serve:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("target", ["grpc", "http"])
+def test_unreachable_server_is_a_clear_error(target, capsys):
+    from kvserve.bench_serve_service import _free_port
+
+    rc = _bench_cli(["--target", target, "--port", str(_free_port()), "--num-prompts", "2",
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"kvserve bench serve: {target}: cannot start:" in err
+    assert "Traceback" not in err
+
+
+def test_wrong_api_key_is_a_clear_error(serve_app, capsys):
+    rc = _bench_cli(["--target", "grpc", "--port", str(serve_app.grpc_port), "--api-key", "nope",
+                     "--num-prompts", "2", "--no-progress"])
+    assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
 def _check_saved(path, target: str, n: int) -> None:
     saved = json.loads(path.read_text())
     m = saved["runs"][target]["metrics"]
