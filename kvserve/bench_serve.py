@@ -175,11 +175,11 @@ def _client(a: argparse.Namespace, host: str, port: int) -> BenchClient:
     return cls(host, port, model=a.served_model_name, api_key=a.api_key)
 
 
-def build_requests(a: argparse.Namespace, seed: int, num: int, output_len: int) -> list[BenchRequest]:
-    from kvserve.models import resolve_model
-    from kvserve.workers.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(resolve_model(a.model))
+def build_requests(
+    a: argparse.Namespace, tok: Any, seed: int, num: int, output_len: int
+) -> list[BenchRequest]:
+    if num == 0:
+        return []
     if a.dataset == "random":
         return random_dataset(tok, num, a.random_input_len, output_len,
                               a.random_range_ratio, seed)
@@ -225,12 +225,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _bench(a: argparse.Namespace) -> int:
     slos = parse_goodput(a.goodput)
-    requests = build_requests(a, a.seed, a.num_prompts, a.random_output_len)
-    warmups = build_requests(a, a.seed + 7919, a.num_warmups, 4) if a.num_warmups else []
+    from kvserve.models import resolve_model
+    from kvserve.workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(a.model))
+    requests = build_requests(a, tok, a.seed, a.num_prompts, a.random_output_len)
+    warmups = build_requests(a, tok, a.seed + 7919, a.num_warmups, 4)
     runs: dict[str, dict[str, Any]] = {}
 
-    def record(name: str, results: list[RequestResult], duration: float, meter: CpuMeter) -> None:
+    def record(name: str, results: list[RequestResult], duration: float, meter: CpuMeter,
+               whole_stack: bool = True) -> None:
+        """`whole_stack`: the meter saw the serving side too (in-process or self-started);
+        for a server elsewhere its CPU is "other load", and the CPU figures mean nothing."""
         m = compute_metrics(results, duration, slos, a.percentile_list)
+        if not whole_stack:
+            meter.figures = {}
         if meter.figures and m["total_output_tokens"]:
             # CPU of the whole serving stack (client included) per token: steadier than tok/s
             # under other load, and on a CPU-bound host the serving path's cost shows here
@@ -269,7 +278,7 @@ def _bench(a: argparse.Namespace) -> int:
         finally:
             if service is not None:
                 service.stop()
-        record(a.target, *outcome)
+        record(a.target, *outcome, whole_stack=service is not None)
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target": a.target,
