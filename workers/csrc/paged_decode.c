@@ -2,13 +2,182 @@
 // stream's KV blocks in place through its block table (no gather, no padding).
 // Work items are (stream, kv head) pairs, so GQA query heads that share a KV
 // head read it once, and the work per stream follows its own length.
+//
+// With AVX2+FMA (and D a multiple of 8) the scores, the softmax exponentials and
+// the V accumulation run 8 lanes wide; the exponential is a polynomial, since a
+// libm expf per score costs more than reading the score's K row from DRAM.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KV_AVX2 1
+#endif
 
 #define MAX_REP 32
 #define MAX_D 256
 #define MAX_BS 256
+
+#ifdef KV_AVX2
+// exp(x) for x <= 0 (scores minus their running max): range reduction to
+// 2^n * exp(r), |r| <= ln2/2, degree-6 polynomial; relative error ~2e-7.
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // also -inf
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One (stream, kv head) item. D is a compile-time constant where inlined from
+// the dispatch below, so the D/8 chunk loops unroll fully.
+static inline __attribute__((always_inline)) void item_avx2(
+    const float *q, const float *k, const float *v, float *out, const int32_t *table,
+    int32_t L, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, const int64_t D, int64_t bs,
+    int64_t rep, float scale) {
+    float qs[MAX_REP][MAX_D] __attribute__((aligned(32)));
+    float acc[MAX_REP][MAX_D] __attribute__((aligned(32)));
+    float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
+    float m[MAX_REP], l[MAX_REP];
+    const int64_t C = D / 8;
+    for (int64_t r = 0; r < rep; ++r) {
+        const float *qr = q + (b * Hq + h * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
+        memset(acc[r], 0, sizeof(float) * D);
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t n = (L - t0) < bs ? (L - t0) : bs;
+        const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *kj = k + (base + j * Hkv) * D;
+            for (int64_t r = 0; r < rep; ++r) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t c = 0;
+                for (; c + 1 < C; c += 2) {
+                    a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+                }
+                if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+                s[r][j] = hsum(_mm256_add_ps(a0, a1));
+            }
+        }
+        for (int64_t r = 0; r < rep; ++r) {
+            float mx = m[r];
+            for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
+            const float corr = expf(m[r] - mx);  // once per block: libm is fine here
+            if (corr != 1.f) {
+                const __m256 cv = _mm256_set1_ps(corr);
+                for (int64_t c = 0; c < C; ++c)
+                    _mm256_store_ps(acc[r] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * c), cv));
+            }
+            const __m256 mv = _mm256_set1_ps(mx);
+            __m256 lsum = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(s[r] + j), mv));
+                _mm256_store_ps(s[r] + j, e);
+                lsum = _mm256_add_ps(lsum, e);
+            }
+            float lt = hsum(lsum);
+            for (; j < n; ++j) {
+                s[r][j] = expf(s[r][j] - mx);
+                lt += s[r][j];
+            }
+            l[r] = l[r] * corr + lt;
+            m[r] = mx;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vj = v + (base + j * Hkv) * D;
+            for (int64_t c = 0; c < C; ++c) {
+                const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+                for (int64_t r = 0; r < rep; ++r) {
+                    float *ar = acc[r] + 8 * c;
+                    _mm256_store_ps(ar, _mm256_fmadd_ps(_mm256_set1_ps(s[r][j]), vv, _mm256_load_ps(ar)));
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+        float *o = out + (b * Hq + h * rep + r) * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
+    }
+}
+#endif
+
+// The portable path (any D, no AVX2): same algorithm, libm exponentials.
+static void item_generic(const float *q, const float *k, const float *v, float *out,
+                         const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t bs, int64_t rep, float scale) {
+    float qs[MAX_REP][MAX_D];
+    float acc[MAX_REP][MAX_D];
+    float m[MAX_REP], l[MAX_REP];
+    float s[MAX_REP][MAX_BS];
+    for (int64_t r = 0; r < rep; ++r) {
+        const float *qr = q + (b * Hq + h * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
+        memset(acc[r], 0, sizeof(float) * D);
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t n = (L - t0) < bs ? (L - t0) : bs;
+        const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *kj = k + (base + j * Hkv) * D;
+            for (int64_t r = 0; r < rep; ++r) {
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; ++d) dot += qs[r][d] * kj[d];
+                s[r][j] = dot;
+            }
+        }
+        // online softmax: rescale what we have once per block, not per token
+        for (int64_t r = 0; r < rep; ++r) {
+            float mx = m[r];
+            for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
+            const float corr = expf(m[r] - mx);
+            l[r] *= corr;
+            for (int64_t d = 0; d < D; ++d) acc[r][d] *= corr;
+            for (int64_t j = 0; j < n; ++j) {
+                s[r][j] = expf(s[r][j] - mx);
+                l[r] += s[r][j];
+            }
+            m[r] = mx;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vj = v + (base + j * Hkv) * D;
+            for (int64_t r = 0; r < rep; ++r) {
+                const float p = s[r][j];
+                for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vj[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+        float *o = out + (b * Hq + h * rep + r) * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
+    }
+}
 
 // q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32
 int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
@@ -23,55 +192,21 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
         const int64_t b = it / Hkv, h = it % Hkv;
         const int32_t L = seq_lens[b];
         const int32_t *table = tables + b * max_blocks;
-        float qs[MAX_REP][MAX_D];
-        float acc[MAX_REP][MAX_D];
-        float m[MAX_REP], l[MAX_REP];
-        float s[MAX_REP][MAX_BS];
-        for (int64_t r = 0; r < rep; ++r) {
-            const float *qr = q + (b * Hq + h * rep + r) * D;
-            for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
-            memset(acc[r], 0, sizeof(float) * D);
-            m[r] = -INFINITY;
-            l[r] = 0.f;
+#ifdef KV_AVX2
+        if (D == 64) {
+            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 64, bs, rep, scale);
+            continue;
         }
-        for (int64_t t0 = 0; t0 < L; t0 += bs) {
-            const int64_t n = (L - t0) < bs ? (L - t0) : bs;
-            const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
-            // scores for this block, every query row
-            for (int64_t j = 0; j < n; ++j) {
-                const float *kj = k + (base + j * Hkv) * D;
-                for (int64_t r = 0; r < rep; ++r) {
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < D; ++d) dot += qs[r][d] * kj[d];
-                    s[r][j] = dot;
-                }
-            }
-            // online softmax: rescale what we have once per block, not per token
-            for (int64_t r = 0; r < rep; ++r) {
-                float mx = m[r];
-                for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
-                const float corr = expf(m[r] - mx);
-                l[r] *= corr;
-                for (int64_t d = 0; d < D; ++d) acc[r][d] *= corr;
-                for (int64_t j = 0; j < n; ++j) {
-                    s[r][j] = expf(s[r][j] - mx);
-                    l[r] += s[r][j];
-                }
-                m[r] = mx;
-            }
-            for (int64_t j = 0; j < n; ++j) {
-                const float *vj = v + (base + j * Hkv) * D;
-                for (int64_t r = 0; r < rep; ++r) {
-                    const float p = s[r][j];
-                    for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vj[d];
-                }
-            }
+        if (D == 128) {
+            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 128, bs, rep, scale);
+            continue;
         }
-        for (int64_t r = 0; r < rep; ++r) {
-            float *o = out + (b * Hq + h * rep + r) * D;
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
+        if (D % 8 == 0) {
+            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale);
+            continue;
         }
+#endif
+        item_generic(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale);
     }
     return 0;
 }
