@@ -165,3 +165,28 @@ def test_abort_frees_blocks_mid_prefill_and_decode(smol_path):
     assert eng.abort(b)  # b is mid-decode
     assert_idle(llm)
     assert not eng.abort("unknown")
+
+
+def test_shared_prefix_served_from_cache_and_counted(smol_path):
+    """A second request with the same 80-token prefix reuses its full blocks (usage.cached_tokens)
+    and generates what a cache-less engine generates; stats() reports the hit rate."""
+    llm = LLM(smol_path, kv_cache_tokens=2048, block_size=16)
+    prefix = list(range(1000, 1080))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prefix + [5000, 5001], params)[0]
+    second = llm.generate(prefix + [6000, 6001, 6002], params)[0]
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == 80  # five whole 16-token blocks
+    assert second.usage.prompt_tokens == 83
+    cold = LLM(smol_path, kv_cache_tokens=2048, block_size=16, enable_prefix_caching=False)
+    again = cold.generate(prefix + [6000, 6001, 6002], params)[0]
+    assert again.usage.cached_tokens == 0
+    assert again.token_ids == second.token_ids
+    s = llm.engine.stats()
+    for key in ("running", "waiting", "preemptions", "kv_blocks_used", "kv_blocks_free",
+                "generation_tokens_per_s"):
+        assert key in s
+    assert s["running"] == s["waiting"] == 0
+    assert s["prefix_cache_hit_rate"] > 0
+    assert s["kv_blocks_used"] == 0
+    assert_idle(llm)
