@@ -69,6 +69,8 @@ class BlockCopier:
         self.bytes_copied = 0
         self.copy_s = 0.0  # wall time of the synchronous copies (bandwidth figure)
         self.timed_bytes = 0
+        self.seconds = {"out": 0.0, "in": 0.0}  # synchronous copies, device->host / host->device
+        self.blocks = {"out": 0, "in": 0}
 
     def _nbytes(self, n: int) -> int:
         return n * self.dev[:, :, 0].numel() * self.dev.element_size()
@@ -129,7 +131,7 @@ class BlockCopier:
                 self._inflight.append(t)
         else:
             self._copy_out(dev_ids, host_ids)
-        self._timed(t0, len(dev_ids))
+        self._timed(t0, len(dev_ids), "out")
 
     def _copy_out(self, dev_ids: list[int], host_ids: list[int]) -> None:
         didx = torch.tensor(dev_ids, dtype=torch.long)
@@ -147,7 +149,7 @@ class BlockCopier:
             data = data.pin_memory().to(self.dev.device, non_blocking=True)
         didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
         self.dev.index_copy_(2, didx, data)
-        self._timed(t0, len(host_ids))
+        self._timed(t0, len(host_ids), "in")
 
     def wait_all(self) -> None:
         with self._lock:
@@ -167,10 +169,13 @@ class BlockCopier:
         self.wait_all()
         self.host.index_copy_(2, torch.tensor(host_ids, dtype=torch.long), data.to(self.host.dtype))
 
-    def _timed(self, t0: float, n: int) -> None:
-        self.copy_s += time.perf_counter() - t0
+    def _timed(self, t0: float, n: int, direction: str) -> None:
+        dt = time.perf_counter() - t0
+        self.copy_s += dt
         self.bytes_copied += self._nbytes(n)
         self.timed_bytes += self._nbytes(n)
+        self.seconds[direction] += dt
+        self.blocks[direction] += n
 
     def gbps(self) -> float:
         return self.timed_bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0

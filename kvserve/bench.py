@@ -57,6 +57,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve import bench_throughput
 
     bench_throughput.add_parser(bsub)
+    from kvserve import bench_multiturn, bench_pressure
+
+    bench_pressure.add_parser(bsub)
+    bench_multiturn.add_parser(bsub)
 
 
 # ---- workload and machine ------------------------------------------------------------------

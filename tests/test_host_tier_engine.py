@@ -10,6 +10,7 @@ from test_host_tier import tiny_model_path
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import InvalidRequestError
+from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.workers.engine import LLMEngine
 
 BS = 4
@@ -208,6 +209,9 @@ def test_follow_up_turn_is_served_from_host(smol_path, ref):
         eng.add_request(p, greedy(2))
         run_all(eng)
     assert eng.kv.cached_prefix(turn1) == []  # gone from the device prefix cache
+    held = eng.held_block_hashes()  # what the router sees: the history is on host now
+    assert set(hash_full_blocks(turn1, BS)) <= set(held["host"])
+    assert not set(hash_full_blocks(turn1, BS)) & set(held["device"])
     turn2 = turn1 + out1 + prompts(1, 20, seed=23)[0]
     rid2 = eng.add_request(turn2, greedy(8))
     got = run_all(eng)[rid2]

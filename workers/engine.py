@@ -239,12 +239,15 @@ class LLMEngine:
         Read by the router (through the worker actor) for KV-affinity routing; the host
         tier's hashes go in "host". Safe to call from another thread than the step loop.
         """
-        for _ in range(10):
-            try:  # the step thread may register/drop hashes while we copy
-                device = list(self.kv.pool.cached)
-                break
-            except RuntimeError:
-                continue
-        else:
-            device = []
-        return {"device": device, "host": []}
+        host = self.kv.host
+        return {"device": _snapshot_keys(self.kv.pool.cached),
+                "host": _snapshot_keys(host.table.cached) if host is not None else []}
+
+
+def _snapshot_keys(table: dict[int, int]) -> list[int]:
+    for _ in range(10):
+        try:  # the step thread may register/drop hashes while we copy
+            return list(table)
+        except RuntimeError:
+            continue
+    return []
