@@ -60,13 +60,14 @@ class Service:
         self.tokenizer = load_tokenizer(resolve_model(cfg.model))
         self.router = get_or_create_router(cfg.model_dump())
         self.workers: list[Any] = []
+        self.epoch = ""
         self.max_model_len = 0
         self.vocab_size = 0
         self.block_size = cfg.engine_config().block_size
 
     async def start(self) -> None:
         info = await self.router.ready.remote()
-        self.workers = await self.router.workers.remote()
+        self.epoch, self.workers = await self.router.workers_with_epoch.remote()
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.block_size = int(info["block_size"])
@@ -158,11 +159,14 @@ class Service:
         tried: list[int] = []
         params = req.params.model_dump()
         for _attempt in range(self.cfg.max_retries + 1):
-            pick = await self.router.pick.remote(hashes, req.session_id, tried)
+            pick = await self._pick(hashes, req.session_id, tried)
             if "error" in pick:
                 if tried and pick["error"] == "unavailable":
                     break
                 raise ServiceError(pick["error"], pick["message"])
+            if pick["epoch"] != self.epoch:  # the router was restarted with new workers
+                await self.router.ready.remote()
+                self.epoch, self.workers = await self.router.workers_with_epoch.remote()
             idx, worker_id = pick["idx"], pick["worker_id"]
             worker = self.workers[idx]
             sent = 0
@@ -198,6 +202,12 @@ class Service:
                 if not finished:  # client went away or cancelled: free the KV now
                     worker.abort.remote(req.request_id)
         raise ServiceError("unavailable", "no worker could take the request (workers died)")
+
+    async def _pick(self, hashes: list[int], session: str | None, tried: list[int]) -> dict:
+        try:
+            return await self.router.pick.remote(hashes, session, tried)
+        except RayActorError:  # the router is restarting (Ray brings it back)
+            raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
 
     async def complete(self, req: GenRequest) -> Result:
         text, ids, last = [], [], None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -38,6 +39,8 @@ class RouterActor:
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
+        # a restarted router starts new workers: the ingress refetches handles when this changes
+        self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
         self._info: dict[str, Any] | None = None
 
@@ -56,11 +59,16 @@ class RouterActor:
     def workers(self) -> list[Any]:
         return list(self.handles)
 
+    def workers_with_epoch(self) -> tuple[str, list[Any]]:
+        return self.epoch, list(self.handles)
+
     # ---- routing ----------------------------------------------------------------------------
-    def pick(
+    async def pick(
         self, block_hashes: list[int], session_id: str | None, exclude: list[int]
     ) -> dict[str, Any]:
         """Choose a worker; {"idx", "worker_id", "reason"} or {"error", "message"}."""
+        if self._poller is None:  # a restarted router: nobody called ready(); start polling
+            self._poller = asyncio.create_task(self._poll_loop())
         alive = [v for v in self.views if v.alive and v.idx not in exclude]
         if not alive:
             return {"error": "unavailable", "message": "no worker is available to take the request"}
@@ -82,7 +90,7 @@ class RouterActor:
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
         return {"idx": d.idx, "worker_id": v.worker_id, "reason": d.reason,
-                "matched_blocks": d.matched_blocks}
+                "matched_blocks": d.matched_blocks, "epoch": self.epoch}
 
     def release(self, idx: int) -> None:
         v = self.views[idx]
