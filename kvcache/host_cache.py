@@ -114,7 +114,7 @@ class HostTier:
             if hb is None:
                 if self.table.num_free == 0:
                     break
-                hb = self.table.allocate(1)[0]
+                hb = self.table.allocate(1, after=dst[-1] if dst else None)[0]  # runs copy as one slice
                 self.table.register(hb, h)
                 src.append(dev)
                 dst.append(hb)
@@ -124,7 +124,7 @@ class HostTier:
         n_full = num_tokens // self.block_size
         if (num_tokens % self.block_size and len(parked.host_blocks) == n_full == len(hashes)
                 and self.table.num_free > 0 and len(dev_blocks) > n_full):
-            tb = self.table.allocate(1)[0]
+            tb = self.table.allocate(1, after=dst[-1] if dst else None)[0]
             src.append(dev_blocks[n_full])
             dst.append(tb)
             parked.tail_block = tb
@@ -158,7 +158,7 @@ class HostTier:
                 continue
             if self.table.num_free == 0:
                 break
-            hb = self.table.allocate(1)[0]
+            hb = self.table.allocate(1, after=dst[-1] if dst else None)[0]  # runs copy as one slice
             src.append(dev)
             dst.append(hb)
             hashes.append(h)
@@ -187,7 +187,7 @@ class HostTier:
             if hb is None:
                 if self.table.num_free == 0:
                     break
-                hb = self.table.allocate(1)[0]
+                hb = self.table.allocate(1, after=dst[-1] if dst else None)[0]  # runs copy as one slice
                 idx.append(i)
                 dst.append(hb)
                 new_hashes.append(h)
@@ -197,7 +197,7 @@ class HostTier:
         tail_tokens = num_tokens % self.block_size
         if (tail_tokens and len(parked.host_blocks) == len(hashes) and data.shape[2] > len(hashes)
                 and self.table.num_free > 0):
-            parked.tail_block = self.table.allocate(1)[0]
+            parked.tail_block = self.table.allocate(1, after=dst[-1] if dst else None)[0]
             parked.tail_tokens = tail_tokens
             idx.append(len(hashes))
             dst.append(parked.tail_block)

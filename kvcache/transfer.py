@@ -134,8 +134,7 @@ class BlockCopier:
         self._timed(t0, len(dev_ids), "out")
 
     def _copy_out(self, dev_ids: list[int], host_ids: list[int]) -> None:
-        didx = torch.tensor(dev_ids, dtype=torch.long)
-        self.host.index_copy_(2, torch.tensor(host_ids, dtype=torch.long), self.dev.index_select(2, didx))
+        copy_runs(self.host, host_ids, self.dev, dev_ids)
 
     # ---- host -> device ------------------------------------------------------------------
     def to_device(self, host_ids: list[int], dev_ids: list[int]) -> None:
@@ -143,12 +142,13 @@ class BlockCopier:
             return
         self.wait_all()
         t0 = time.perf_counter()
-        hidx = torch.tensor(host_ids, dtype=torch.long)
-        data = self.host.index_select(2, hidx)
         if self.cuda:
+            data = self.host.index_select(2, torch.tensor(host_ids, dtype=torch.long))
             data = data.pin_memory().to(self.dev.device, non_blocking=True)
-        didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
-        self.dev.index_copy_(2, didx, data)
+            didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
+            self.dev.index_copy_(2, didx, data)
+        else:
+            copy_runs(self.dev, dev_ids, self.host, host_ids)
         self._timed(t0, len(host_ids), "in")
 
     def wait_all(self) -> None:
@@ -185,3 +185,17 @@ class BlockCopier:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def copy_runs(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
+    """dst[:, :, dst_ids] = src[:, :, src_ids] on CPU, one slice copy per run of ids that are
+    consecutive on both sides (several times faster than index_select + index_copy_, which
+    go element by element over the [L, 2] outer dimensions)."""
+    i, n = 0, len(dst_ids)
+    while i < n:
+        j = i + 1
+        while j < n and dst_ids[j] == dst_ids[j - 1] + 1 and src_ids[j] == src_ids[j - 1] + 1:
+            j += 1
+        d, s = dst_ids[i], src_ids[i]
+        dst[:, :, d : d + j - i].copy_(src[:, :, s : s + j - i])
+        i = j
