@@ -49,7 +49,7 @@ def test_held_hashes_match_the_routers_hashing(worker):
     load = asyncio.run(worker.load())
     want = hash_full_blocks(ids, worker.config.block_size)
     assert len(want) >= 2 and set(want) <= set(load["held"]["device"])
-    assert load["running"] == 0 and load["worker_id"] == "worker-t"
+    assert load["worker_id"] == "worker-t" and load["kv_blocks_total"] == 128
 
 
 def test_bad_params_and_abort(worker):
