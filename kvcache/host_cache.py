@@ -24,8 +24,8 @@ from kvserve.kvcache.transfer import BlockCopier, Transfer
 
 # The default host pool: this share of the RAM that is available when the engine starts,
 # but never more than the cap, so several engines on one machine cannot exhaust it.
-DEFAULT_HOST_FRACTION = 0.3
-DEFAULT_HOST_CAP_GIB = 8.0
+DEFAULT_HOST_FRACTION = 0.2
+DEFAULT_HOST_CAP_GIB = 4.0
 
 
 def available_ram_bytes() -> int:

@@ -72,7 +72,6 @@ def run(args: argparse.Namespace, host_gib: float | None, device_tokens: int) ->
                 "conversation": c, "turn": t, "history": len(history[c]), "prompt": len(prompt),
                 "ttft_s": ttft, "total_s": time.perf_counter() - t0,
                 "host_hit_tokens": after["host_prefix_hit_tokens"] - before["host_prefix_hit_tokens"],
-                "prefill_tokens": after.get("prompt_tokens_computed", 0),
                 "output": out,
             })
             history[c] = prompt + out

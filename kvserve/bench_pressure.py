@@ -36,8 +36,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="device pool as a share of the peak KV need (default 0.5)")
     p.add_argument("--host-gib", type=float, default=None, help="host tier size (default: auto)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--lookahead", type=int, default=16,
-                   help="admission headroom in tokens per running stream (engine default 128)")
+    p.add_argument("--lookahead", type=int, default=0,
+                   help="admission headroom in tokens per running stream (engine default 128); "
+                   "0 admits as much as fits, which eviction to host makes cheap")
     p.add_argument("--policy", choices=["newest", "least_computed", "largest"], default="newest")
     p.add_argument("--baseline", choices=["hf", "none"], default="hf")
     p.add_argument("--model", default=None)
