@@ -92,8 +92,12 @@ class BlockCopier:
             return Transfer(0)
         self.bytes_copied += nbytes  # not timed: bandwidth counts the synchronous copies
         with self._lock:
-            done = [x for x in self._inflight if x.done()]
-            self._inflight = [x for x in self._inflight if x not in done] + [t]
+            # finish completed copies in issue order only: a later copy into a reused host
+            # block must land after an earlier one into the same block
+            k = 0
+            while k < len(self._inflight) and self._inflight[k].done():
+                k += 1
+            done, self._inflight = self._inflight[:k], self._inflight[k:] + [t]
         for x in done:
             x.wait()  # runs its finish step
         return t
