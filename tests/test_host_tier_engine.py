@@ -170,10 +170,19 @@ def test_bad_snapshots_are_rejected(smol_path, tmp_path):
         eng.export_stream("nope")
     src, rid, _ = _running_engine(smol_path)
     record = msgpack.unpackb(src.export_stream(rid), raw=False)
+    good = msgpack.packb(record, use_bin_type=True)
     record["model"]["num_layers"] += 1
     with pytest.raises(InvalidRequestError, match="model"):
         eng.import_stream(msgpack.packb(record, use_bin_type=True))
     assert not eng.has_unfinished()
+    assert_clean(eng)
+    # the same stream twice: the second import is refused and pins nothing
+    eng.import_stream(good)
+    pinned = eng.kv.host.num_used if eng.kv.host else 0
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.import_stream(good)
+    assert (eng.kv.host.num_used if eng.kv.host else 0) == pinned
+    run_all(eng)
     assert_clean(eng)
 
 
