@@ -194,12 +194,18 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], kv_tokens: int,
     from kvserve.bench_hf import load_hf_model, run_hf_continuous
 
     try:
+        import torch
+
         model = load_hf_model(args.model)
         bs = args.block_size
+        cb: dict[str, Any] = {"page_size": bs, "num_blocks": kv_tokens // bs}
+        if torch.cuda.is_available():  # HF's own swap-to-host needs pinned memory: CUDA only
+            model = model.to("cuda")
+            cb["cpu_offload_space"] = args.host_gib if args.host_gib is not None else 4.0
         res, tokens = run_hf_continuous(
-            model, prompts, [args.output_len] * len(prompts),
-            cb_config={"page_size": bs, "num_blocks": kv_tokens // bs}, progress=args.progress,
+            model, prompts, [args.output_len] * len(prompts), cb_config=cb, progress=args.progress,
         )
+        res["cpu_offload_space_gib"] = cb.get("cpu_offload_space", 0.0)
     except Exception as e:  # report why it could not run; keep the kvserve figures
         return {"error": f"{type(e).__name__}: {e}"}
     res["kv_cache_tokens"] = kv_tokens
