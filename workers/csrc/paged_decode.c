@@ -68,6 +68,16 @@ static inline __attribute__((always_inline)) void item_avx2(
     for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
+        if (t0 + bs < L) {
+            // the next block is usually elsewhere in the pool: start its DRAM reads now
+            const int64_t nb = ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h;
+            const int64_t nn = (L - t0 - bs) < bs ? (L - t0 - bs) : bs;
+            for (int64_t j = 0; j < nn; ++j)
+                for (int64_t c = 0; c < D; c += 16) {
+                    _mm_prefetch((const char *)(k + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+                }
+        }
         for (int64_t j = 0; j < n; ++j) {
             const float *kj = k + (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
@@ -106,14 +116,20 @@ static inline __attribute__((always_inline)) void item_avx2(
             l[r] = l[r] * corr + lt;
             m[r] = mx;
         }
-        for (int64_t j = 0; j < n; ++j) {
-            const float *vj = v + (base + j * Hkv) * D;
-            for (int64_t c = 0; c < C; ++c) {
-                const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
-                for (int64_t r = 0; r < rep; ++r) {
-                    float *ar = acc[r] + 8 * c;
-                    _mm256_store_ps(ar, _mm256_fmadd_ps(_mm256_set1_ps(s[r][j]), vv, _mm256_load_ps(ar)));
+        // V: per query row and 64-wide slice of D, the accumulator stays in registers
+        // across the block's tokens (the V rows are re-read from L1, not DRAM)
+        for (int64_t r = 0; r < rep; ++r) {
+            for (int64_t cg = 0; cg < C; cg += 8) {
+                const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
+                __m256 a[8];
+                for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(acc[r] + 8 * (cg + c));
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *vj = v + (base + j * Hkv) * D + 8 * cg;
+                    const __m256 p = _mm256_set1_ps(s[r][j]);
+                    for (int64_t c = 0; c < cn; ++c)
+                        a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
                 }
+                for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(acc[r] + 8 * (cg + c), a[c]);
             }
         }
     }
