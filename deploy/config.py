@@ -40,7 +40,7 @@ class ServeConfig(BaseModel):
     max_inflight_per_worker: int = Field(
         256, ge=1, description="requests in flight per worker before new ones are shed (429)"
     )
-    load_poll_interval_s: float = Field(0.25, gt=0, description="router's worker poll period")
+    load_poll_interval_s: float = Field(1.0, gt=0, description="router's worker poll period")
     max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
 
     @field_validator("api_keys", mode="before")

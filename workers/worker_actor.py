@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # Unconsumed chunks a stream may have in flight before the worker's yield waits (and the
 # steps produced meanwhile coalesce into one chunk).
-STREAM_BACKPRESSURE = 4
+STREAM_BACKPRESSURE = 1
 METRICS_PERIOD_S = 1.0
 PARKED_KEYS = ("parked", "parked_streams", "host_parked_streams", "num_parked")
 
