@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 ROUTER_NAME = "kvserve-router"
 NAMESPACE = "kvserve"
 PENDING_TTL_S = 5.0  # how long a just-routed prompt counts as held before a poll confirms it
+SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection only
 MAX_SESSIONS = 100_000
 
 
@@ -106,7 +107,13 @@ class RouterActor:
     # ---- polling ----------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.load_poll_interval_s)
+            # With one worker there is nothing to choose between: poll only to notice a
+            # restart. Each poll interrupts the worker's step loop, which on a small CPU
+            # host costs more than it tells (see docs/benchmarks.md, online serving).
+            interval = self.cfg.load_poll_interval_s
+            if len(self.views) == 1:
+                interval = max(interval, SINGLE_WORKER_POLL_S)
+            await asyncio.sleep(interval)
             try:
                 await self._poll_once()
             except Exception:
