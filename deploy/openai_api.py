@@ -50,6 +50,13 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     session_id: str | None = Field(None, description="kvserve extension: multi-turn affinity")
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    def check_unsupported(self) -> None:
+        if self.logprobs not in (None, False) or self.top_logprobs not in (None, 0):
+            raise ServiceError("invalid", "logprobs are not returned by this server yet; "
+                                          "leave 'logprobs' and 'top_logprobs' unset")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -95,6 +102,7 @@ def _usage(u: list[int]) -> dict[str, Any]:
 
 def completion_request(svc: Service, body: CompletionRequest) -> GenRequest:
     svc.check_model(body.model)
+    body.check_unsupported()
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         if len(p) != 1:
@@ -107,6 +115,7 @@ def completion_request(svc: Service, body: CompletionRequest) -> GenRequest:
 
 def chat_request(svc: Service, body: ChatRequest) -> GenRequest:
     svc.check_model(body.model)
+    body.check_unsupported()
     if not body.messages:
         raise ServiceError("invalid", "messages are empty")
     ids = svc.tokenize(messages=[{"role": m.role, "content": m.text()} for m in body.messages])

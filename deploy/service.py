@@ -127,6 +127,11 @@ class Service:
     ) -> GenRequest:
         """Validate sampling parameters and lengths against the context."""
         sampling = dict(sampling or {})
+        if sampling.get("logprobs") is not None:
+            # the engine computes them, but chunks do not carry them to clients yet: say so
+            # rather than accept the field and answer without them
+            raise ServiceError("invalid", "logprobs are not returned by this server yet; "
+                                          "leave 'logprobs' unset")
         for k, v in sampling.items():
             if isinstance(v, float) and not math.isfinite(v):
                 raise ServiceError("invalid", f"invalid sampling parameters: {k} must be finite (got {v})")
