@@ -167,6 +167,14 @@ def identical(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     }
 
 
+def write_json(path: str | None, report: dict[str, Any]) -> None:
+    """Write a bench's figures (no-op without a path)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+
+
 def progress_bar(enabled: bool, total: int, desc: str) -> Any:
     from tqdm import tqdm
 
@@ -268,10 +276,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
                 res["kvserve_match"] = identical(kv_tokens, tokens)
             report["baselines"][name] = res
     print_report(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(args.json, report)
     return 0
 
 

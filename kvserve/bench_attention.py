@@ -24,13 +24,14 @@ Strategies:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvserve.bench import write_json
 
 if TYPE_CHECKING:  # torch loads lazily so that the CLI's help stays fast
     import torch
@@ -475,7 +476,5 @@ def cmd_attention(args: argparse.Namespace) -> int:
         del w  # one pool at a time: the long workloads take GBs
         report["workloads"].append(r)
         print_workload(r, args.dram_gbs)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return 0

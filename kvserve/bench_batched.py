@@ -11,10 +11,11 @@ argmax, no detokenization), as llama-batched-bench drives llama_decode.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from kvserve.bench import write_json
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -117,8 +118,7 @@ def cmd_batched(a: argparse.Namespace) -> int:
         bar.close()
     print(format_table(rows))
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": machine_info(torch.get_num_threads()), "results": rows}, f, indent=2)
+        write_json(a.json, {"machine": machine_info(torch.get_num_threads()), "results": rows})
     return 0
 
 

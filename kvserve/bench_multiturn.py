@@ -12,11 +12,12 @@ recomputed, with it the history comes back by copy.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from typing import Any
+
+from kvserve.bench import write_json
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -123,10 +124,7 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
         if without[key] and with_host[key]:
             report[f"{key}_speedup"] = without[key] / with_host[key]
     print_report(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(args.json, report)
     return 0
 
 

@@ -17,10 +17,11 @@ written back and restored by copy against the same stream recomputed by prefill.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from kvserve.bench import write_json
 
 COUNTERS = ("evictions", "restores", "tokens_restored_copy", "tokens_restored_device",
             "tokens_recomputed", "host_prefix_hit_tokens", "copy_bytes")
@@ -181,10 +182,7 @@ def cmd_pressure(args: argparse.Namespace) -> int:
         if "output_tokens_per_s" in hf:
             host["vs_hf"] = host["output_tokens_per_s"] / hf["output_tokens_per_s"]
     print_report(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(args.json, report)
     return 0
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
 from datetime import datetime, timezone
 from typing import Any
 
+from kvserve.bench import write_json
 from kvserve.bench_serve_clients import BenchClient, EngineClient, GrpcClient, HttpClient
 from kvserve.bench_serve_dataset import (
     BenchRequest,
@@ -295,10 +295,7 @@ def _bench(a: argparse.Namespace) -> int:
               f"(mean {c['ttft_mean_overhead_ms']:+.1f} ms)")
         if "cpu_per_token_ratio" in c:
             print(f"{a.target} / engine CPU per output token: {c['cpu_per_token_ratio']:.3f}x")
-    if a.save_result:
-        with open(a.save_result, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(a.save_result, report)
     failed = sum(r["metrics"]["failed"] for r in runs.values())
     return 1 if failed else 0
 

@@ -11,7 +11,6 @@ plus attention over each token's own context.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from kvserve.bench import (
     identical,
     machine_info,
     progress_bar,
+    write_json,
 )
 
 # this CPU's limits as the issue states them (2 threads), for the roofline fraction
@@ -168,10 +168,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             res = {"error": f"{type(e).__name__}: {e}"}
         report["baselines"]["hf_continuous"] = res
     print_report(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(args.json, report)
     return 0
 
 
