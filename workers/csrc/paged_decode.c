@@ -18,6 +18,29 @@
 #define MAX_D 256
 #define MAX_BS 256
 
+// Per item: the item's query rows pre-scaled, empty accumulators, softmax state.
+static inline void begin_item(const float *q, float (*qs)[MAX_D], float (*acc)[MAX_D], float *m,
+                              float *l, int64_t b, int64_t h, int64_t Hq, int64_t D,
+                              int64_t rep, float scale) {
+    for (int64_t r = 0; r < rep; ++r) {
+        const float *qr = q + (b * Hq + h * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
+        memset(acc[r], 0, sizeof(float) * D);
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+}
+
+// Per item: normalise the accumulators into the output rows.
+static inline void end_item(float *out, float (*acc)[MAX_D], const float *l, int64_t b,
+                            int64_t h, int64_t Hq, int64_t D, int64_t rep) {
+    for (int64_t r = 0; r < rep; ++r) {
+        float *o = out + (b * Hq + h * rep + r) * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
+    }
+}
+
 #ifdef KV_AVX2
 // exp(x) for x <= 0 (scores minus their running max): range reduction to
 // 2^n * exp(r), |r| <= ln2/2, degree-6 polynomial; relative error ~2e-7.
@@ -58,13 +81,7 @@ static inline __attribute__((always_inline)) void item_avx2(
     float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
     float m[MAX_REP], l[MAX_REP];
     const int64_t C = D / 8;
-    for (int64_t r = 0; r < rep; ++r) {
-        const float *qr = q + (b * Hq + h * rep + r) * D;
-        for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
-        memset(acc[r], 0, sizeof(float) * D);
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-    }
+    begin_item(q, qs, acc, m, l, b, h, Hq, D, rep, scale);
     for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
@@ -133,11 +150,7 @@ static inline __attribute__((always_inline)) void item_avx2(
             }
         }
     }
-    for (int64_t r = 0; r < rep; ++r) {
-        float *o = out + (b * Hq + h * rep + r) * D;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
-    }
+    end_item(out, acc, l, b, h, Hq, D, rep);
 }
 #endif
 
@@ -149,13 +162,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
     float acc[MAX_REP][MAX_D];
     float m[MAX_REP], l[MAX_REP];
     float s[MAX_REP][MAX_BS];
-    for (int64_t r = 0; r < rep; ++r) {
-        const float *qr = q + (b * Hq + h * rep + r) * D;
-        for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
-        memset(acc[r], 0, sizeof(float) * D);
-        m[r] = -INFINITY;
-        l[r] = 0.f;
-    }
+    begin_item(q, qs, acc, m, l, b, h, Hq, D, rep, scale);
     for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
@@ -188,11 +195,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             }
         }
     }
-    for (int64_t r = 0; r < rep; ++r) {
-        float *o = out + (b * Hq + h * rep + r) * D;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
-    }
+    end_item(out, acc, l, b, h, Hq, D, rep);
 }
 
 // q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32
