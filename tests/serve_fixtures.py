@@ -59,7 +59,6 @@ class ServeApp:
 
 @pytest.fixture(scope="session")
 def serve_app() -> Iterator[ServeApp]:
-    pytest.importorskip("ray.serve")
     from kvserve.deploy.config import ServeConfig
     from kvserve.deploy.serve_cli import deploy
     from kvserve.router.router import NAMESPACE, ROUTER_NAME

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import openai
 import pytest
 
 from kvserve.protos import kvserve_pb2 as pb
@@ -80,7 +81,6 @@ def test_grpc_reflection_lists_the_service(serve_app):
 
 
 def test_http_openai_sdk_stream_matches_offline(serve_app, offline):
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=serve_app.http_url + "/v1", api_key=serve_app.api_key,
                            max_retries=0, timeout=60)
     model = client.models.list().data[0].id

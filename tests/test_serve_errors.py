@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from kvserve.protos import kvserve_pb2 as pb
@@ -149,7 +150,6 @@ def test_http_api_key(serve_app, key):
 
 
 def test_openai_sdk_raises_typed_errors(serve_app):
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=serve_app.http_url + "/v1", api_key=serve_app.api_key,
                            max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError):

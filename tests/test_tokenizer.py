@@ -10,6 +10,7 @@ import shutil
 
 import gguf
 import pytest
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
@@ -20,7 +21,6 @@ from kvserve.models import default_model
 from kvserve.workers.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
 
 TEXTS = [
     "Hello, world!",
