@@ -23,9 +23,11 @@ class ServeConfig(BaseModel):
     )
     num_workers: int = Field(1, ge=1, description="worker actors, one engine each")
     num_gpus_per_worker: float = Field(0, ge=0, description="0 on CPU")
-    num_cpus_per_worker: float = Field(1, ge=0)
+    num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
     engine: dict[str, Any] = Field(
-        default_factory=dict, description="EngineConfig overrides (kv_cache_tokens, num_threads...)"
+        default_factory=dict,
+        description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
+                    "num_threads defaults to the node's cores divided by num_workers",
     )
     grpc_port: int = Field(9000, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535)
@@ -42,6 +44,12 @@ class ServeConfig(BaseModel):
     )
     load_poll_interval_s: float = Field(1.0, gt=0, description="router's worker poll period")
     max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
+    stream_interval_ms: float | None = Field(
+        None, ge=0,
+        description="least time between two chunks of a stream (first and last go at once); "
+                    "0 = every engine step; None = every step on GPU workers, and on CPU "
+                    "workers 25 chunks/s per worker shared by its streams (at most 250 ms apart)",
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -55,6 +63,14 @@ class ServeConfig(BaseModel):
     def _check_engine(cls, v: dict[str, Any]) -> dict[str, Any]:
         EngineConfig(**{k: x for k, x in v.items() if k != "model"})  # fail early on a typo
         return v
+
+    def worker_engine(self, node_cores: int) -> dict[str, Any]:
+        """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
+        engine = self.engine_config().model_dump()
+        # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1)
+        if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
+            engine["num_threads"] = max(1, node_cores // self.num_workers)
+        return engine
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{**self.engine, "model": self.model})

@@ -42,6 +42,21 @@ def _usage(u: list[int]) -> pb.Usage:
     return pb.Usage(prompt_tokens=u[0], cached_tokens=u[1], completion_tokens=u[2])
 
 
+def _logprobs(
+    svc: Service, ids: list[int], lps: list[float] | None, tops: list[list] | None
+) -> list[pb.TokenLogprob]:
+    if lps is None:
+        return []
+    return [
+        pb.TokenLogprob(
+            token_id=t, logprob=lp, token=svc.token_text(t),
+            top_logprobs=[pb.TopLogprob(token_id=a, logprob=b, token=svc.token_text(a))
+                          for a, b in (tops[i] if tops else ())],
+        )
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True))
+    ]
+
+
 def _check_model(svc: Service, request: Any) -> None:
     if request.model == INVALID_UTF8_MARKER:
         raise ServiceError("invalid", "the request could not be parsed: a string field is not "
@@ -86,6 +101,7 @@ class GrpcFrontend:
             request_id=r.request_id, text=r.text, token_ids=r.token_ids,
             finish_reason=r.finish_reason, stop_reason=r.stop_reason or "", usage=_usage(r.usage),
             worker_id=r.worker_id, model=self.service.model_name,
+            logprobs=_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs),
         )
 
     async def _stream(
@@ -99,6 +115,8 @@ class GrpcFrontend:
                     finish_reason=c["finish_reason"] or "", stop_reason=c["stop_reason"] or "",
                     usage=_usage(c["usage"]), worker_id=c["worker_id"],
                     model=self.service.model_name,
+                    logprobs=_logprobs(self.service, c["token_ids"], c.get("logprobs"),
+                                       c.get("top_logprobs")),
                 )
         except ServiceError as e:
             raise _fail(ctx, e) from None

@@ -53,10 +53,19 @@ class _SamplingFields(BaseModel):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
 
-    def check_unsupported(self) -> None:
-        if self.logprobs not in (None, False) or self.top_logprobs not in (None, 0):
-            raise ServiceError("invalid", "logprobs are not returned by this server yet; "
-                                          "leave 'logprobs' and 'top_logprobs' unset")
+    def num_logprobs(self, kind: str) -> int | None:
+        """The engine's `logprobs` (alternatives per token) for this request; None = none.
+
+        Completions take `logprobs: N` (legacy API); chat takes `logprobs: true` plus
+        `top_logprobs: N`, as OpenAI's API does.
+        """
+        if kind == "completion":
+            return None if self.logprobs in (None, False) else int(self.logprobs)
+        if not self.logprobs:
+            if self.top_logprobs not in (None, 0):
+                raise ServiceError("invalid", "top_logprobs requires logprobs: true")
+            return None
+        return self.top_logprobs or 0
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -100,26 +109,31 @@ def _usage(u: list[int]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u[1]}}
 
 
+def _sampling(body: _SamplingFields, kind: str) -> dict[str, Any]:
+    sampling = sampling_from_fields(body, SAMPLING_FIELDS)
+    n = body.num_logprobs(kind)
+    if n is not None:
+        sampling["logprobs"] = n
+    return sampling
+
+
 def completion_request(svc: Service, body: CompletionRequest) -> GenRequest:
     svc.check_model(body.model)
-    body.check_unsupported()
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         if len(p) != 1:
             raise ServiceError("invalid", "only one prompt per request is supported")
         p = p[0]
     ids = svc.tokenize(prompt=p) if isinstance(p, str) else svc.tokenize(prompt_ids=list(p))
-    return svc.build(ids, sampling_from_fields(body, SAMPLING_FIELDS), body.session_id,
-                     default_max_tokens=16)
+    return svc.build(ids, _sampling(body, "completion"), body.session_id, default_max_tokens=16)
 
 
 def chat_request(svc: Service, body: ChatRequest) -> GenRequest:
     svc.check_model(body.model)
-    body.check_unsupported()
     if not body.messages:
         raise ServiceError("invalid", "messages are empty")
     ids = svc.tokenize(messages=[{"role": m.role, "content": m.text()} for m in body.messages])
-    sampling = sampling_from_fields(body, SAMPLING_FIELDS)
+    sampling = _sampling(body, "chat")
     if body.max_completion_tokens is not None and "max_tokens" not in sampling:
         sampling["max_tokens"] = body.max_completion_tokens
     return svc.build(ids, sampling, body.session_id)
@@ -134,7 +148,8 @@ async def respond(
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + req.request_id
     if not body.stream:
         r = await svc.complete(req)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
+        lp = _Logprobs(svc, kind).of(r.token_ids, r.logprobs, r.top_logprobs)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": r.finish_reason, "logprobs": lp}
         if kind == "completion":
             choice["text"] = r.text
         else:
@@ -156,15 +171,17 @@ async def _sse(
     created: int, kind: str, include_usage: bool,
 ) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    lps = _Logprobs(svc, kind)
 
     def event(c: dict[str, Any], role: bool) -> str:
+        lp = lps.of(c["token_ids"], c.get("logprobs"), c.get("top_logprobs"))
         if kind == "completion":
             choice = {"index": 0, "text": c["text"], "finish_reason": c["finish_reason"],
-                      "logprobs": None}
+                      "logprobs": lp}
         else:
             delta = {"role": "assistant", "content": c["text"]} if role else {"content": c["text"]}
             choice = {"index": 0, "delta": delta, "finish_reason": c["finish_reason"],
-                      "logprobs": None}
+                      "logprobs": lp}
         payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
                    "choices": [choice], "kvserve_worker": c["worker_id"]}
         return f"data: {json.dumps(payload)}\n\n"
@@ -185,3 +202,42 @@ async def _sse(
                    "choices": [], "usage": _usage(last["usage"])}
         yield f"data: {json.dumps(payload)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+class _Logprobs:
+    """OpenAI's logprobs objects: the legacy completions layout or chat's `content` list.
+
+    One per response; a stream's chunks go through it in order (completions' text_offset
+    counts from the start of the whole completion).
+    """
+
+    def __init__(self, svc: Service, kind: str) -> None:
+        self.svc, self.kind, self.offset = svc, kind, 0
+
+    def of(
+        self, ids: list[int], lps: list[float] | None, tops: list[list] | None
+    ) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        text = self.svc.token_text
+        alts = [tops[i] if tops else [] for i in range(len(ids))]
+        if self.kind == "chat":
+            def entry(t: int, lp: float) -> dict[str, Any]:
+                s = text(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [
+                entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in alt]}
+                for t, lp, alt in zip(ids, lps, alts, strict=True)
+            ]}
+        tokens = [text(t) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self.offset)
+            self.offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(lps),
+            "top_logprobs": [{text(a): b for a, b in alt} for alt in alts] if tops else None,
+            "text_offset": offsets,
+        }

@@ -69,6 +69,9 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
     s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 if CUDA else 0")
     s.add_argument("--cpus-per-worker", type=float, default=1)
+    s.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="least time between a stream's chunks (0 = every engine step); "
+                        "default: automatic on CPU workers, every step on GPU")
     s.add_argument("--grpc-port", type=int, default=9000)
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -81,7 +84,8 @@ def add_serve_parser(sub: Any) -> None:
     e.add_argument("--kv-cache-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per worker (default on CPU: cores / workers)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -99,5 +103,6 @@ def cmd_serve(a: Any) -> int:
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
+        stream_interval_ms=a.stream_interval_ms,
     )
     return serve_forever(cfg)

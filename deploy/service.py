@@ -50,6 +50,8 @@ class Result:
     stop_reason: str | None
     usage: list[int]  # prompt, cached, completion
     worker_id: str
+    logprobs: list[float] | None = None  # per token, when the request asked for them
+    top_logprobs: list[list] | None = None  # per token: [[id, logprob], ...] best first
 
 
 class Service:
@@ -127,11 +129,6 @@ class Service:
     ) -> GenRequest:
         """Validate sampling parameters and lengths against the context."""
         sampling = dict(sampling or {})
-        if sampling.get("logprobs") is not None:
-            # the engine computes them, but chunks do not carry them to clients yet: say so
-            # rather than accept the field and answer without them
-            raise ServiceError("invalid", "logprobs are not returned by this server yet; "
-                                          "leave 'logprobs' unset")
         for k, v in sampling.items():
             if isinstance(v, float) and not math.isfinite(v):
                 raise ServiceError("invalid", f"invalid sampling parameters: {k} must be finite (got {v})")
@@ -216,13 +213,23 @@ class Service:
 
     async def complete(self, req: GenRequest) -> Result:
         text, ids, last = [], [], None
+        lps: list[float] | None = [] if req.params.logprobs is not None else None
+        tops: list[list] | None = [] if req.params.logprobs else None
         async for chunk in self.stream(req):
             text.append(chunk["text"])
             ids.extend(chunk["token_ids"])
+            if lps is not None:
+                lps.extend(chunk.get("logprobs") or ())
+            if tops is not None:
+                tops.extend(chunk.get("top_logprobs") or ())
             last = chunk
         assert last is not None
         return Result(req.request_id, "".join(text), ids, last["finish_reason"],
-                      last["stop_reason"], last["usage"], last["worker_id"])
+                      last["stop_reason"], last["usage"], last["worker_id"], lps, tops)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text on its own (for logprobs), special tokens included."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def server_info(self) -> dict[str, Any]:
         return await self.router.server_info.remote()

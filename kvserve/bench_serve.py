@@ -87,6 +87,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="self-started service: least time between a stream's chunks "
+                        "(0 = every engine step; default: the service's automatic pacing)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -271,7 +274,7 @@ def _bench(a: argparse.Namespace) -> int:
         if a.host is None and a.port is None:
             from kvserve.bench_serve_service import start_service
 
-            service = start_service(engine_config(a), a.api_key)
+            service = start_service(engine_config(a), a.api_key, a.stream_interval_ms)
             host, port = "127.0.0.1", service.port(a.target)
         try:
             outcome = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))
@@ -285,6 +288,7 @@ def _bench(a: argparse.Namespace) -> int:
         "workload": workload(a, requests),
         # the in-process engine's settings; also the self-started service's (one worker)
         "engine": engine_config(a).model_dump(),
+        "stream_interval_ms": a.stream_interval_ms,  # None: the service's automatic pacing
         "runs": runs,
     }
     if a.compare_engine:

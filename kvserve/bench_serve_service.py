@@ -33,7 +33,9 @@ class BenchService:
         shutdown()
 
 
-def start_service(engine: Any, api_key: str | None = None) -> BenchService:
+def start_service(
+    engine: Any, api_key: str | None = None, stream_interval_ms: float | None = None
+) -> BenchService:
     """Deploy the app with one worker running `engine` (an EngineConfig); wait until ready."""
     import ray
 
@@ -45,7 +47,8 @@ def start_service(engine: Any, api_key: str | None = None) -> BenchService:
     settings = engine.model_dump(exclude={"model"}, exclude_defaults=True)
     cfg = ServeConfig(model=engine.model, num_workers=1, engine=settings,
                       grpc_port=_free_port(), http_port=_free_port(),
-                      api_keys=[api_key] if api_key else [])
+                      api_keys=[api_key] if api_key else [],
+                      stream_interval_ms=stream_interval_ms)
     print(f"bench serve: starting the service (1 worker, {engine.num_threads} threads) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()

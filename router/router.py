@@ -14,6 +14,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from kvserve.bench import available_cores
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.workers.worker_actor import create_worker
 
@@ -32,10 +33,11 @@ class RouterActor:
 
         self.cfg = ServeConfig(**serve_config)
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
-        engine = self.cfg.engine_config().model_dump()
+        engine = self.cfg.worker_engine(available_cores())
         self.handles = [
             create_worker(f"worker-{i}", engine, self.cfg.num_cpus_per_worker,
-                          self.cfg.num_gpus_per_worker)
+                          self.cfg.num_gpus_per_worker,
+                          stream_interval_ms=self.cfg.stream_interval_ms)
             for i in range(self.cfg.num_workers)
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]

@@ -109,3 +109,52 @@ def test_http_health(serve_app):
 
     with urllib.request.urlopen(serve_app.http_url + "/health", timeout=30) as r:
         assert r.status == 200 and json.loads(r.read())["workers_alive"] == 2
+
+
+def test_grpc_logprobs_match_the_offline_engine(serve_app, stub, smol_llm):
+    p = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    want = smol_llm.generate([PROMPT], p)[0]
+    sampling = pb.SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    r = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=sampling),
+                      metadata=serve_app.metadata)
+    assert [x.token_id for x in r.logprobs] == list(r.token_ids) == want.token_ids
+    assert [x.logprob for x in r.logprobs] == pytest.approx(want.logprobs, abs=1e-3)
+    for x, top in zip(r.logprobs, want.top_logprobs, strict=True):
+        assert [a.token_id for a in x.top_logprobs] == [a for a, _ in top]
+        assert x.top_logprobs[0].token_id == x.token_id  # greedy: the best one was chosen
+        assert x.token and x.top_logprobs[1].token
+    # streamed: the same figures, split over the chunks, and none when not asked for
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, sampling=sampling),
+                                      metadata=serve_app.metadata))
+    assert [x.logprob for c in chunks for x in c.logprobs] == pytest.approx(
+        [x.logprob for x in r.logprobs], abs=1e-5)
+    plain = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy(4)),
+                          metadata=serve_app.metadata)
+    assert len(plain.logprobs) == 0
+
+
+def test_http_completion_and_chat_logprobs(serve_app):
+    client = openai.OpenAI(base_url=serve_app.http_url + "/v1", api_key=serve_app.api_key)
+    c = client.completions.create(model="default", prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logprobs=3)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert len(lp.token_logprobs) == c.usage.completion_tokens == 6
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(d) <= 3 and max(d.values()) == pytest.approx(x, abs=1e-5)
+               for d, x in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    stream = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True})
+    entries, usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            entries.extend(chunk.choices[0].logprobs.content)
+    assert usage is not None and len(entries) == usage.completion_tokens == 6
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+    assert all(bytes(e.bytes).decode("utf-8") == e.token for e in entries)

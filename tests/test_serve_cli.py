@@ -55,3 +55,14 @@ def test_serve_config_api_keys_and_engine(monkeypatch):
         ServeConfig(engine={"kv_cache_tokenz": 5})
     with pytest.raises(ValueError):
         ServeConfig(num_workers=0)
+    with pytest.raises(ValueError):
+        ServeConfig(stream_interval_ms=-1)
+
+
+def test_cpu_workers_share_the_cores_unless_threads_are_set():
+    # a Ray actor would otherwise run torch on OMP_NUM_THREADS = num_cpus = 1 thread
+    assert ServeConfig(num_workers=1).worker_engine(8)["num_threads"] == 8
+    assert ServeConfig(num_workers=3).worker_engine(8)["num_threads"] == 2
+    assert ServeConfig(num_workers=4).worker_engine(2)["num_threads"] == 1
+    assert ServeConfig(engine={"num_threads": 3}).worker_engine(8)["num_threads"] == 3
+    assert ServeConfig(num_gpus_per_worker=1).worker_engine(8)["num_threads"] is None

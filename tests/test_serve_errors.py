@@ -34,8 +34,8 @@ GRPC_CASES = {
         pb.GenerateRequest(prompt_token_ids=[1, 10_000_000]), INVALID, "vocabulary"),
     "unknown model": (
         pb.GenerateRequest(model="gpt-17", prompt="hi"), grpc.StatusCode.NOT_FOUND, "gpt-17"),
-    "logprobs (not returned yet)": (
-        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logprobs=2)), INVALID,
+    "too many logprobs": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logprobs=21)), INVALID,
         "logprobs"),
 }
 
@@ -116,7 +116,7 @@ HTTP_CASES = {
     "unknown model": ({"prompt": "hi", "model": "gpt-17"}, 404),
     "wrong type": ({"prompt": "hi", "max_tokens": "many"}, 400),
     "missing prompt": ({"max_tokens": 3}, 400),
-    "logprobs (not returned yet)": ({"prompt": "hi", "logprobs": 2}, 400),
+    "too many logprobs": ({"prompt": "hi", "logprobs": 21}, 400),
 }
 
 
@@ -161,11 +161,15 @@ def test_openai_sdk_raises_typed_errors(serve_app):
         client.completions.create(model="gpt-17", prompt="hi", max_tokens=3)
 
 
-def test_http_chat_logprobs_refused_not_ignored(serve_app):
+def test_http_chat_logprobs_checks(serve_app):
     msgs = [{"role": "user", "content": "hi"}]
     code, out = _post(serve_app, "/v1/chat/completions",
-                      {"messages": msgs, "logprobs": True, "top_logprobs": 2, "max_tokens": 2})
+                      {"messages": msgs, "top_logprobs": 2, "max_tokens": 2})
+    assert code == 400 and "logprobs: true" in out["error"]["message"]
+    code, out = _post(serve_app, "/v1/chat/completions",
+                      {"messages": msgs, "logprobs": True, "top_logprobs": 50, "max_tokens": 2})
     assert code == 400 and "logprobs" in out["error"]["message"]
     code, out = _post(serve_app, "/v1/chat/completions",
                       {"messages": msgs, "logprobs": False, "max_tokens": 2})
     assert code == 200 and out["choices"][0]["message"]["content"] is not None
+    assert out["choices"][0]["logprobs"] is None

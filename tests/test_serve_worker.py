@@ -67,3 +67,38 @@ def test_bad_params_and_abort(worker):
     bad, stats = asyncio.run(run())
     assert bad[0]["error"] == "invalid" and "top_p" in bad[0]["message"]
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_paced_stream_sends_first_token_at_once_and_merges_the_rest():
+    ids = [1, 2, 3, 4, 5]
+    paced = WorkerActor("worker-p", ENGINE, stream_interval_ms=60_000)
+    try:
+        chunks = _collect(paced, "paced", ids, 16, 0.0)
+    finally:
+        paced.engine.shutdown()
+    # the first token is not held back, and the end of the stream is not waited for
+    assert [len(c["token_ids"]) for c in chunks] == [1, 15]
+    assert chunks[0]["finish_reason"] is None and chunks[1]["finish_reason"] == "length"
+
+
+def test_unpaced_stream_sends_every_step():
+    ids = [1, 2, 3, 4, 5]
+    every = WorkerActor("worker-e", ENGINE, stream_interval_ms=0)
+    try:
+        chunks = _collect(every, "every", ids, 16, 0.0)
+    finally:
+        every.engine.shutdown()
+    assert sum(len(c["token_ids"]) for c in chunks) == 16
+    assert len(chunks) > 8  # a consumer that keeps up gets (nearly) one chunk per step
+
+
+def test_pacing_intervals():
+    from kvserve.workers.stream_pacing import AUTO_CHUNKS_PER_S, AUTO_MAX_INTERVAL_S, StreamPacing
+
+    auto = StreamPacing.from_config(None, on_gpu=False)
+    assert auto.interval(1) == pytest.approx(1 / AUTO_CHUNKS_PER_S)
+    assert auto.interval(2) == pytest.approx(2 / AUTO_CHUNKS_PER_S)  # a per-worker budget
+    assert auto.interval(1000) == AUTO_MAX_INTERVAL_S  # never more than this apart
+    assert StreamPacing.from_config(None, on_gpu=True).interval(64) == 0.0
+    assert StreamPacing.from_config(0, on_gpu=False).interval(64) == 0.0
+    assert StreamPacing.from_config(120, on_gpu=True).interval(1) == pytest.approx(0.12)

@@ -1,10 +1,10 @@
 """WorkerActor: one AsyncLLMEngine in a Ray actor, streaming coalesced chunks to the ingress.
 
 Each request's outputs are pumped from the engine into a per-request buffer; the Ray
-streaming generator yields everything buffered so far as one chunk. When the consumer
-keeps up, a chunk is one engine step; when it falls behind (Ray's generator backpressure
-pauses the yield), the steps in between merge into the next chunk instead of becoming one
-Ray object per token. Dropping or cancelling the stream, or `abort`, aborts the request in
+streaming generator yields everything buffered so far as one chunk. Chunks are paced
+(stream_pacing.py): the first and last go at once, the others at most once per interval,
+the steps in between merged; when the consumer falls behind (Ray's generator backpressure
+pauses the yield), steps merge too, instead of becoming one Ray object per token. Dropping or cancelling the stream, or `abort`, aborts the request in
 the engine, which frees its KV blocks at once.
 """
 
@@ -25,6 +25,7 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.async_engine import AsyncLLMEngine
+from kvserve.workers.stream_pacing import StreamPacing
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class _Request:
     def take_chunk(self, worker_id: str) -> dict[str, Any]:
         outs, self.outs = self.outs, []
         last = outs[-1]
-        return {
+        chunk = {
             "token_ids": [t for o in outs for t in o.delta_token_ids],
             "text": "".join(o.delta_text for o in outs),
             "finish_reason": last.finish_reason,
@@ -61,13 +62,33 @@ class _Request:
                       last.usage.completion_tokens],
             "worker_id": worker_id,
         }
+        if last.logprobs is not None:
+            chunk["logprobs"], chunk["top_logprobs"] = _chunk_logprobs(outs)
+        return chunk
+
+
+def _chunk_logprobs(outs: list[RequestOutput]) -> tuple[list[float], list[list] | None]:
+    """The logprobs of these outputs' new tokens (their lists keep growing: slice by position)."""
+    lps: list[float] = []
+    tops: list[list] | None = [] if outs[-1].top_logprobs is not None else None
+    for o in outs:
+        n = o.usage.completion_tokens
+        k = n - len(o.delta_token_ids)
+        lps.extend((o.logprobs or [])[k:n])
+        if tops is not None:
+            tops.extend([list(p) for p in row] for row in (o.top_logprobs or [])[k:n])
+    return lps, tops
 
 
 class WorkerActor:
     """Ray actor body (wrapped with ray.remote by `create_worker`)."""
 
-    def __init__(self, worker_id: str, engine_config: dict[str, Any]) -> None:
+    def __init__(
+        self, worker_id: str, engine_config: dict[str, Any],
+        stream_interval_ms: float | None = None, on_gpu: bool = False,
+    ) -> None:
         self.worker_id = worker_id
+        self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
         # changes on every (re)start: lets the router notice that the actor was replaced
         self.incarnation = uuid.uuid4().hex
         self.started_at = time.time()
@@ -98,13 +119,17 @@ class WorkerActor:
         self._requests[request_id] = req
         # the engine validates and tokenizes on the first step of this generator (in the pump)
         req.task = asyncio.create_task(self._pump(self.engine.generate(prompt, sp, request_id), req))
+        sent_at: float | None = None  # when this stream's previous chunk went out
         try:
             while True:
                 await req.event.wait()
                 req.event.clear()
+                if req.outs and sent_at is not None:
+                    await self._hold(req, sent_at)
                 if req.outs:
                     chunk = req.take_chunk(self.worker_id)
                     yield chunk
+                    sent_at = time.monotonic()
                     if chunk["finish_reason"] is not None:
                         self.served += 1
                         return
@@ -121,6 +146,19 @@ class WorkerActor:
             self._requests.pop(request_id, None)
             if not req.task.done():
                 req.task.cancel()
+
+    async def _hold(self, req: _Request, sent_at: float) -> None:
+        """Let engine steps accumulate until the stream's pacing interval has passed."""
+        deadline = sent_at + self.pacing.interval(len(self._requests))
+        while not (req.done or req.outs[-1].finished):
+            rest = deadline - time.monotonic()
+            if rest <= 0:
+                return
+            req.event.clear()
+            try:
+                await asyncio.wait_for(req.event.wait(), rest)
+            except TimeoutError:
+                return
 
     async def _pump(self, gen: AsyncIterator[RequestOutput], req: _Request) -> None:
         try:
@@ -215,6 +253,7 @@ def create_worker(
     num_cpus: float = 1,
     num_gpus: float = 0,
     name: str | None = None,
+    stream_interval_ms: float | None = None,
 ) -> Any:
     """Start a worker actor that Ray restarts (fresh engine) whenever it dies."""
     cls = ray.remote(WorkerActor)
@@ -225,4 +264,4 @@ def create_worker(
         max_restarts=-1,
         max_task_retries=0,  # a half-served stream must not be replayed behind the client
         max_concurrency=1000,
-    ).remote(worker_id, engine_config)
+    ).remote(worker_id, engine_config, stream_interval_ms, num_gpus > 0)
