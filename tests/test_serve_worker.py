@@ -69,25 +69,23 @@ def test_bad_params_and_abort(worker):
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
 
 
-def test_paced_stream_sends_first_token_at_once_and_merges_the_rest():
-    ids = [1, 2, 3, 4, 5]
-    paced = WorkerActor("worker-p", ENGINE, stream_interval_ms=60_000)
+def _chunks_with_interval(interval_ms: float) -> list[dict]:
+    w = WorkerActor("worker-p", ENGINE, stream_interval_ms=interval_ms)
     try:
-        chunks = _collect(paced, "paced", ids, 16, 0.0)
+        return _collect(w, "paced", [1, 2, 3, 4, 5], 16, 0.0)
     finally:
-        paced.engine.shutdown()
+        w.engine.shutdown()
+
+
+def test_paced_stream_sends_first_token_at_once_and_merges_the_rest():
+    chunks = _chunks_with_interval(60_000)
     # the first token is not held back, and the end of the stream is not waited for
     assert [len(c["token_ids"]) for c in chunks] == [1, 15]
     assert chunks[0]["finish_reason"] is None and chunks[1]["finish_reason"] == "length"
 
 
 def test_unpaced_stream_sends_every_step():
-    ids = [1, 2, 3, 4, 5]
-    every = WorkerActor("worker-e", ENGINE, stream_interval_ms=0)
-    try:
-        chunks = _collect(every, "every", ids, 16, 0.0)
-    finally:
-        every.engine.shutdown()
+    chunks = _chunks_with_interval(0)
     assert sum(len(c["token_ids"]) for c in chunks) == 16
     assert len(chunks) > 8  # a consumer that keeps up gets (nearly) one chunk per step
 
