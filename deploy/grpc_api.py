@@ -73,12 +73,13 @@ def _fail(ctx: Any, e: ServiceError) -> ServiceError:
 class GrpcFrontend:
     service: Service
 
-    async def _ready(self) -> Service:  # provided by the ingress
-        raise NotImplementedError
+    def _authed(self, ctx: Any) -> Service:
+        """The service, once the caller's API key checks out (ServiceError otherwise)."""
+        self.service.check_auth(_api_key(ctx))
+        return self.service
 
     async def _gen_request(self, request: Any, ctx: Any, chat: bool) -> GenRequest:
-        svc = await self._ready()
-        svc.check_auth(_api_key(ctx))
+        svc = self._authed(ctx)
         _check_model(svc, request)
         if chat:
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
@@ -142,8 +143,7 @@ class GrpcFrontend:
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: Any) -> pb.TokenizeResponse:
         try:
-            svc = await self._ready()
-            svc.check_auth(_api_key(grpc_context))
+            svc = self._authed(grpc_context)
             _check_model(svc, request)
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
             ids = svc.tokenize(prompt=request.prompt, messages=msgs or None)
@@ -155,8 +155,7 @@ class GrpcFrontend:
         self, request: pb.ListModelsRequest, grpc_context: Any
     ) -> pb.ListModelsResponse:
         try:
-            svc = await self._ready()
-            svc.check_auth(_api_key(grpc_context))
+            svc = self._authed(grpc_context)
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
         return pb.ListModelsResponse(models=[pb.ModelInfo(
@@ -166,8 +165,7 @@ class GrpcFrontend:
         self, request: pb.GetServerInfoRequest, grpc_context: Any
     ) -> pb.GetServerInfoResponse:
         try:
-            svc = await self._ready()
-            svc.check_auth(_api_key(grpc_context))
+            svc = self._authed(grpc_context)
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
         info = await svc.server_info()

@@ -51,9 +51,6 @@ class KVServeIngress(GrpcFrontend):
         auth.set_keys(self.service.api_keys)
         await self.service.start()
 
-    async def _ready(self) -> Service:
-        return self.service
-
     # ---- HTTP -----------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:

@@ -7,6 +7,7 @@ register a new one in POLICIES and name it in ServeConfig.routing_policy.
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
@@ -61,14 +62,17 @@ class Decision:
     matched_blocks: int = 0
 
 
-class Policy:
+class Policy(ABC):
+    """A routing policy: a pure choice among the workers with room (plug in a subclass)."""
+
     name = "base"
 
     def __init__(self, max_imbalance: int) -> None:
         self.max_imbalance = max_imbalance
 
+    @abstractmethod
     def choose(self, workers: list[WorkerView], req: RouteRequest) -> Decision:
-        raise NotImplementedError
+        """Pick one of `workers` (never empty) for `req`."""
 
 
 class LeastLoaded(Policy):

@@ -81,12 +81,7 @@ def test_inflight_writeback_blocks_are_not_reused(smol_path, ref):
 
     eng.kv.pool.allocate = checked_allocate  # type: ignore[method-assign]
     ids = [eng.add_request(p, greedy(20)) for p in ps]
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                got[o.request_id] = o.token_ids
-        eng.check_invariants()
+    got = run_all(eng)
     # had a block been reused before its delayed copy read it, the host copy would hold the
     # new stream's KV and the restored stream's output would differ
     assert [got[i] for i in ids] == want
