@@ -9,6 +9,7 @@ from typing import Any
 
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
 
 
 @dataclass
@@ -24,6 +25,8 @@ def deploy(cfg: ServeConfig, ray_init: dict[str, Any] | None = None) -> Endpoint
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     if not ray.is_initialized():
+        if cfg.num_gpus_per_worker == 0:
+            apply_cpu_host_defaults()
         ray.init(**(ray_init or {}))
     serve.start(
         http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port),

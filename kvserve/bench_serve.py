@@ -3,21 +3,28 @@
 Requests (random or prefix-repetition prompts) go out at Poisson/gamma arrival times,
 at most --max-concurrency at once, to the gRPC or OpenAI HTTP endpoint of a running
 service, or straight into an in-process AsyncLLMEngine (--target engine).
---compare-engine runs the same requests through the engine first and then through the
-target, and prints the issue's two figures: output tok/s of target / engine, and the
-TTFT p50 overhead in ms. Without --host and --port, a grpc/http run starts the service itself
-(one worker, the same engine settings as the in-process engine) and stops it at the end.
+--compare-engine runs the same requests through the engine and through the target, and
+prints the issue's two figures: output tok/s of target / engine, and the TTFT p50 overhead
+in ms. It alternates the two over --rounds slices of the requests (the engine's turns with
+the self-started service paused), so that host drift does not decide the ratio; --rounds 1
+runs the whole engine run first, before Ray starts. Without --host and --port, a grpc/http
+run starts the service itself (one worker, the same engine settings as the in-process
+engine) and stops it at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
+
+import numpy as np
 
 from kvserve.bench import write_json
 from kvserve.bench_serve_clients import BenchClient, EngineClient, GrpcClient, HttpClient
@@ -76,6 +83,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-engine", action="store_true",
                    help="run the same requests through an in-process engine first, and print "
                         "the target/engine throughput ratio and the TTFT overhead")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="with --compare-engine: alternate engine and target over this many "
+                        "slices of the requests, the self-started service paused during the "
+                        "engine's (1 = the whole engine run first, then the target)")
     p.add_argument("--num-warmups", type=int, default=2,
                    help="untimed requests (other prompts) before each timed run")
     p.add_argument("--seed", type=int, default=0)
@@ -155,6 +166,54 @@ async def bench_one(
         await client.close()
 
 
+async def bench_interleaved(
+    engine: BenchClient,
+    target: BenchClient,
+    requests: list[BenchRequest],
+    warmups: list[BenchRequest],
+    a: argparse.Namespace,
+    pause: Callable[[], contextlib.AbstractContextManager],
+) -> tuple[tuple[list[RequestResult], float, CpuMeter], ...]:
+    """--compare-engine --rounds N: the requests in N slices, each run through the engine and
+    then the target (the other order every second round), so that a host whose speed drifts
+    (shared or throttled machines swing by 15% within a minute) weighs on both alike. The
+    engine's turns run inside `pause()`: with the self-started service stopped meanwhile, the
+    engine has the machine without Ray, as when used directly."""
+    clients = (engine, target)
+    started: list[BenchClient] = []
+    try:
+        for c in clients:
+            try:
+                await c.start()
+            except Exception as e:
+                raise BenchError(f"{c.name}: cannot start: {_describe(e)}") from e
+            started.append(c)
+        for i, c in enumerate(clients):
+            with pause() if i == 0 else contextlib.nullcontext():
+                for w in warmups:
+                    r = await c.send(w)
+                    if not r.success:
+                        raise BenchError(f"{c.name}: warm-up request failed: {r.error}")
+        results: tuple[list[RequestResult], ...] = ([], [])
+        wall, cpu = [0.0, 0.0], ([], [])
+        rounds = min(a.rounds, len(requests))
+        bounds = np.linspace(0, len(requests), rounds + 1).round().astype(int)
+        for k in range(rounds):
+            part = requests[bounds[k]:bounds[k + 1]]
+            offsets = arrival_offsets(len(part), a.request_rate, a.burstiness, a.seed + k)
+            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+                with pause() if i == 0 else contextlib.nullcontext(), CpuMeter() as meter:
+                    res, dur = await run_requests(clients[i], part, offsets, a.max_concurrency,
+                                                  a.progress, f"{clients[i].name} {k + 1}/{rounds}")
+                results[i].extend(res)
+                wall[i] += dur
+                cpu[i].append(meter)
+        return tuple((results[i], wall[i], CpuMeter.merged(cpu[i])) for i in (0, 1))
+    finally:
+        for c in started:
+            await c.close()
+
+
 def _describe(e: BaseException) -> str:
     details = getattr(e, "details", None)  # grpc.aio.AioRpcError
     if callable(details) and callable(getattr(e, "code", None)):
@@ -199,6 +258,8 @@ def check_args(a: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {v}"
     if a.num_warmups < 0:
         return f"--num-warmups must be >= 0, got {a.num_warmups}"
+    if a.rounds < 1:
+        return f"--rounds must be >= 1, got {a.rounds}"
     if a.target == "engine" and a.compare_engine:
         return "--compare-engine compares a grpc or http target with the engine"
     if a.target == "engine" and (a.host or a.port):
@@ -266,29 +327,44 @@ def _bench(a: argparse.Namespace) -> int:
         print("bench serve: note: the in-process engine runs with this command's engine "
               "settings; the server at --host must use the same for a fair comparison",
               file=sys.stderr)
-    if a.target == "engine" or a.compare_engine:
-        record("engine", *asyncio.run(bench_one(EngineClient(engine_config(a)), requests, warmups, a)))
-    if a.target != "engine":
-        service = None
-        host, port = a.host or "127.0.0.1", a.port or DEFAULT_PORTS[a.target]
-        if a.host is None and a.port is None:
+    service = None
+    host, port = a.host or "127.0.0.1", a.port or DEFAULT_PORTS[a.target]
+
+    def start() -> None:
+        nonlocal service, host, port
+        if a.target != "engine" and a.host is None and a.port is None:
             from kvserve.bench_serve_service import start_service
 
             service = start_service(engine_config(a), a.api_key, a.stream_interval_ms)
             host, port = "127.0.0.1", service.port(a.target)
-        try:
-            outcome = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))
-        finally:
-            if service is not None:
-                service.stop()
-        record(a.target, *outcome, whole_stack=service is not None)
+
+    try:
+        if a.compare_engine and a.rounds > 1:
+            start()
+            pause = service.paused if service is not None else contextlib.nullcontext
+            outcomes = asyncio.run(bench_interleaved(
+                EngineClient(engine_config(a)), _client(a, host, port), requests, warmups, a, pause))
+            record("engine", *outcomes[0])
+            record(a.target, *outcomes[1], whole_stack=service is not None)
+        else:
+            if a.target == "engine" or a.compare_engine:  # first, on a machine without Ray
+                record("engine", *asyncio.run(
+                    bench_one(EngineClient(engine_config(a)), requests, warmups, a)))
+            if a.target != "engine":
+                start()
+                outcome = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))
+                record(a.target, *outcome, whole_stack=service is not None)
+    finally:
+        if service is not None:
+            service.stop()
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target": a.target,
         "workload": workload(a, requests),
         # the in-process engine's settings; also the self-started service's (one worker)
         "engine": engine_config(a).model_dump(),
-        "stream_interval_ms": a.stream_interval_ms,  # None: the service's automatic pacing
+        "stream_interval_ms": a.stream_interval_ms,
+        "rounds": min(a.rounds, a.num_prompts) if a.compare_engine else 1,  # None: the service's automatic pacing
         "runs": runs,
     }
     if a.compare_engine:

@@ -65,6 +65,21 @@ class CpuMeter:
             "other_cores": max(0.0, busy - own) / wall,
         }
 
+    @classmethod
+    def merged(cls, parts: list[CpuMeter]) -> CpuMeter:
+        """One meter for a run measured in slices: CPU summed over the slices' wall time."""
+        m = cls()
+        figs = [p.figures for p in parts if p.figures]
+        wall = sum(f["wall_s"] for f in figs)
+        if figs and wall > 0:
+            m.figures = {
+                "cores": figs[0]["cores"],
+                "wall_s": wall,
+                **{k: sum(f[k] * f["wall_s"] for f in figs) / wall
+                   for k in ("bench_cores", "other_cores")},
+            }
+        return m
+
     def warning(self, name: str) -> str | None:
         other = self.figures.get("other_cores")
         if other is None or other < OTHER_LOAD_WARN_CORES:

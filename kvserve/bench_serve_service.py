@@ -7,9 +7,12 @@ differs from the engine run only by the serving path.
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -31,6 +34,33 @@ class BenchService:
         from kvserve.deploy.serve_cli import shutdown
 
         shutdown()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop the service's processes (SIGSTOP) for the block, then let them go on.
+
+        The Ray processes this bench started are its descendants. Stopped, they use no CPU
+        and wake no thread, so the engine rounds of an interleaved comparison run on a
+        machine without Ray, as the engine used directly would.
+        """
+        import psutil
+
+        procs = psutil.Process().children(recursive=True)
+        stopped = []
+        try:
+            for p in procs:
+                try:
+                    p.send_signal(signal.SIGSTOP)
+                    stopped.append(p)
+                except psutil.Error:  # exited meanwhile
+                    pass
+            yield
+        finally:
+            for p in stopped:
+                try:
+                    p.send_signal(signal.SIGCONT)
+                except psutil.Error:
+                    pass
 
 
 def start_service(

@@ -198,7 +198,8 @@ def _bench_cli(args: list[str]) -> int:
 
 def test_cli_rejects_bad_arguments(capsys):
     for bad in (["--num-prompts", "0"], ["--request-rate", "0"], ["--goodput", "ttft"],
-                ["--burstiness", "-1"], ["--target", "engine", "--compare-engine"]):
+                ["--burstiness", "-1"], ["--target", "engine", "--compare-engine"],
+                ["--compare-engine", "--rounds", "0"]):
         assert _bench_cli(bad) == 2
         assert "kvserve bench serve:" in capsys.readouterr().err
 
@@ -268,3 +269,93 @@ def test_cpu_meter_counts_this_process_as_the_bench():
     assert f["bench_cores"] * f["wall_s"] == pytest.approx(used, abs=0.06)  # 10 ms ticks
     assert f["other_cores"] >= 0.0
     assert CpuMeter().warning("x") is None  # no figures, no warning
+
+
+def test_cpu_meter_merges_slices_by_their_wall_time():
+    from kvserve.bench_serve_load import CpuMeter
+
+    a, b, empty = CpuMeter(), CpuMeter(), CpuMeter()
+    a.figures = {"cores": 2, "wall_s": 1.0, "bench_cores": 2.0, "other_cores": 0.0}
+    b.figures = {"cores": 2, "wall_s": 3.0, "bench_cores": 1.0, "other_cores": 0.4}
+    m = CpuMeter.merged([a, empty, b]).figures
+    assert m["wall_s"] == 4.0 and m["cores"] == 2
+    assert m["bench_cores"] == pytest.approx(5.0 / 4.0)  # (2*1 + 1*3) CPU-s over 4 s
+    assert m["other_cores"] == pytest.approx(1.2 / 4.0)
+    assert CpuMeter.merged([empty]).figures == {}
+
+
+def test_paused_service_stops_its_processes_and_resumes_them():
+    import subprocess
+
+    import psutil
+
+    from kvserve.bench_serve_service import BenchService
+
+    child = subprocess.Popen(["sleep", "30"])  # stands in for the Ray processes: a descendant
+    try:
+        p = psutil.Process(child.pid)
+        with BenchService(1, 2, None).paused():
+            assert p.status() == psutil.STATUS_STOPPED
+        assert p.status() != psutil.STATUS_STOPPED
+        with pytest.raises(RuntimeError), BenchService(1, 2, None).paused():
+            raise RuntimeError("a failed round")  # the processes go on even then
+        assert p.status() != psutil.STATUS_STOPPED
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_interleaved_rounds_alternate_with_the_engine_paused(tok, smol_llm, serve_app):
+    """--rounds: every request through both, in slices whose order alternates; only the
+    engine's turns run inside pause()."""
+    import argparse
+    import contextlib
+
+    from kvserve.bench_serve import bench_interleaved
+    from kvserve.bench_serve_clients import EngineClient, GrpcClient
+    from kvserve.workers.async_engine import AsyncLLMEngine
+
+    state = {"paused": False}
+    log: list[tuple[str, bool, int]] = []
+
+    @contextlib.contextmanager
+    def pause():
+        state["paused"] = True
+        try:
+            yield
+        finally:
+            state["paused"] = False
+
+    class Logged:  # records which client sent what, and whether the service was paused
+        def __init__(self, inner):
+            self.inner, self.name = inner, inner.name
+
+        async def start(self):
+            if isinstance(self.inner, EngineClient):  # the session's engine: no second load
+                self.inner.engine = AsyncLLMEngine(engine=smol_llm.engine)
+            else:
+                await self.inner.start()
+
+        async def send(self, req):
+            log.append((self.name, state["paused"], req.prompt_len))
+            return await self.inner.send(req)
+
+        async def close(self):
+            await self.inner.close()
+
+    reqs = random_dataset(tok, 5, 24, 3, 0.0, seed=11)
+    warm = random_dataset(tok, 1, 16, 2, 0.0, seed=12)
+    key = getattr(serve_app, "api_key", None)
+    a = argparse.Namespace(rounds=3, request_rate=math.inf, burstiness=1.0, seed=0,
+                           max_concurrency=1, progress=False)
+    outcome = asyncio.run(bench_interleaved(
+        Logged(EngineClient(smol_llm.engine.config)),
+        Logged(GrpcClient("127.0.0.1", serve_app.grpc_port, api_key=key)), reqs, warm, a, pause))
+    (eng_res, eng_s, _), (grpc_res, grpc_s, _) = outcome
+    assert all(r.success for r in eng_res + grpc_res)
+    assert [r.output_len for r in eng_res] == [3] * 5 == [r.output_len for r in grpc_res]
+    assert eng_s > 0 and grpc_s > 0
+    assert all(paused == (name == "engine") for name, paused, _ in log)
+    timed = [name for name, _, n in log if n == 24]
+    # slices of 2, 1, 2 requests; the engine goes first in rounds 1 and 3, the target in 2
+    assert timed == ["engine"] * 2 + ["grpc"] * 2 + ["grpc", "engine"] + ["engine"] * 2 + ["grpc"] * 2

@@ -66,3 +66,19 @@ def test_cpu_workers_share_the_cores_unless_threads_are_set():
     assert ServeConfig(num_workers=4).worker_engine(2)["num_threads"] == 1
     assert ServeConfig(engine={"num_threads": 3}).worker_engine(8)["num_threads"] == 3
     assert ServeConfig(num_gpus_per_worker=1).worker_engine(8)["num_threads"] is None
+
+
+def test_cpu_host_ray_defaults_leave_set_variables_alone(monkeypatch):
+    import os
+
+    from kvserve.deploy.ray_tuning import CPU_HOST_RAY_ENV, apply_cpu_host_defaults
+
+    for k in CPU_HOST_RAY_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")  # the operator's choice
+    applied = apply_cpu_host_defaults()
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in applied
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+    assert set(applied) == set(CPU_HOST_RAY_ENV) - {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}
+    assert all(os.environ[k] == v for k, v in applied.items())
+    assert apply_cpu_host_defaults() == {}  # idempotent
