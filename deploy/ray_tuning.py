@@ -4,8 +4,8 @@ On a small CPU host the engine's OpenMP threads hold every core, and each wake-u
 another process stalls a step (its threads meet at barriers). Idle, a local Ray + Serve
 stack wakes ~1,900 times a second; most of it is periodic bookkeeping whose default
 period suits large clusters. These settings stretch the periods that only feed
-dashboards and slow control loops (docs/benchmarks.md: +1-3% tokens/s on 2 cores, with
-the engine compared in interleaved rounds). They are defaults: a variable already in
+dashboards and slow control loops (docs/benchmarks.md: +1.5-4.5% tokens/s against the engine
+on 2 cores, compared in interleaved rounds). They are defaults: a variable already in
 the environment wins, and a Ray cluster that kvserve joins keeps its own settings.
 """
 

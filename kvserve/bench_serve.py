@@ -81,7 +81,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000")
     p.add_argument("--percentiles", default="99", help="comma list, e.g. 50,90,99")
     p.add_argument("--compare-engine", action="store_true",
-                   help="run the same requests through an in-process engine first, and print "
+                   help="run the same requests through an in-process engine too, and print "
                         "the target/engine throughput ratio and the TTFT overhead")
     p.add_argument("--rounds", type=int, default=4,
                    help="with --compare-engine: alternate engine and target over this many "
@@ -363,8 +363,8 @@ def _bench(a: argparse.Namespace) -> int:
         "workload": workload(a, requests),
         # the in-process engine's settings; also the self-started service's (one worker)
         "engine": engine_config(a).model_dump(),
-        "stream_interval_ms": a.stream_interval_ms,
-        "rounds": min(a.rounds, a.num_prompts) if a.compare_engine else 1,  # None: the service's automatic pacing
+        "stream_interval_ms": a.stream_interval_ms,  # None: the service's automatic pacing
+        "rounds": min(a.rounds, a.num_prompts) if a.compare_engine else 1,
         "runs": runs,
     }
     if a.compare_engine:
