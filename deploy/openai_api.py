@@ -17,11 +17,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.openai_choices import complete_all, fan_out, num_choices, stream_all
 from kvserve.deploy.service import GenRequest, Service, sampling_from_fields
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "min_tokens", "n", "include_stop_str_in_output",
+                   "ignore_eos", "min_tokens", "include_stop_str_in_output",
                    "skip_special_tokens")
 
 
@@ -110,6 +111,7 @@ def _usage(u: list[int]) -> dict[str, Any]:
 
 
 def _sampling(body: _SamplingFields, kind: str) -> dict[str, Any]:
+    num_choices(body.n)  # `n` is the front end's (openai_choices.py), checked up front
     sampling = sampling_from_fields(body, SAMPLING_FIELDS)
     n = body.num_logprobs(kind)
     if n is not None:
@@ -143,22 +145,28 @@ async def respond(
     svc: Service, req: GenRequest, body: _SamplingFields, kind: Literal["completion", "chat"]
 ) -> Any:
     """A JSON body, or an SSE stream whose first chunk already arrived (so routing errors
-    are still real HTTP statuses)."""
+    are still real HTTP statuses). `n` > 1 runs that many requests, one per choice."""
     created = int(time.time())
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + req.request_id
+    reqs = fan_out(req, num_choices(body.n))
     if not body.stream:
-        r = await svc.complete(req)
-        lp = _Logprobs(svc, kind).of(r.token_ids, r.logprobs, r.top_logprobs)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": r.finish_reason, "logprobs": lp}
-        if kind == "completion":
-            choice["text"] = r.text
-        else:
-            choice["message"] = {"role": "assistant", "content": r.text}
+        results = await complete_all(svc, reqs)
+        lps = _Logprobs(svc, kind)
+        choices = []
+        for i, r in enumerate(results):
+            choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason,
+                                      "logprobs": lps.of(r.token_ids, r.logprobs, r.top_logprobs)}
+            if kind == "completion":
+                choice["text"] = r.text
+            else:
+                choice["message"] = {"role": "assistant", "content": r.text}
+            choices.append(choice)
         return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
-                "created": created, "model": svc.model_name, "choices": [choice],
-                "usage": _usage(r.usage), "kvserve_worker": r.worker_id}
+                "created": created, "model": svc.model_name, "choices": choices,
+                "usage": _usage(_total_usage([r.usage for r in results])),
+                "kvserve_worker": results[0].worker_id}
 
-    chunks = svc.stream(req)
+    chunks = stream_all(svc, reqs)
     first = await chunks.__anext__()
     return StreamingResponse(
         _sse(svc, chunks, first, rid, created, kind, body.include_usage()),
@@ -166,40 +174,46 @@ async def respond(
     )
 
 
+def _total_usage(usages: list[list[int]]) -> list[int]:
+    """One prompt (counted once, as OpenAI does for `n`), the completions summed."""
+    return [usages[0][0], usages[0][1], sum(u[2] for u in usages)]
+
+
 async def _sse(
-    svc: Service, chunks: AsyncIterator[dict[str, Any]], first: dict[str, Any], rid: str,
-    created: int, kind: str, include_usage: bool,
+    svc: Service, chunks: AsyncIterator[tuple[int, dict[str, Any]]], first: tuple[int, dict[str, Any]],
+    rid: str, created: int, kind: str, include_usage: bool,
 ) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     lps = _Logprobs(svc, kind)
+    last: dict[int, dict[str, Any]] = {}  # each choice's latest chunk (for its usage)
 
-    def event(c: dict[str, Any], role: bool) -> str:
+    def event(i: int, c: dict[str, Any]) -> str:
         lp = lps.of(c["token_ids"], c.get("logprobs"), c.get("top_logprobs"))
         if kind == "completion":
-            choice = {"index": 0, "text": c["text"], "finish_reason": c["finish_reason"],
+            choice = {"index": i, "text": c["text"], "finish_reason": c["finish_reason"],
                       "logprobs": lp}
-        else:
-            delta = {"role": "assistant", "content": c["text"]} if role else {"content": c["text"]}
-            choice = {"index": 0, "delta": delta, "finish_reason": c["finish_reason"],
+        else:  # a choice's first delta names the role
+            delta = {"content": c["text"]} if i in last else {"role": "assistant", "content": c["text"]}
+            choice = {"index": i, "delta": delta, "finish_reason": c["finish_reason"],
                       "logprobs": lp}
+        last[i] = c
         payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
                    "choices": [choice], "kvserve_worker": c["worker_id"]}
         return f"data: {json.dumps(payload)}\n\n"
 
-    last = first
     try:
-        yield event(first, role=True)
-        async for c in chunks:
-            last = c
-            yield event(c, role=False)
+        yield event(*first)
+        async for i, c in chunks:
+            yield event(i, c)
     except ServiceError as e:  # mid-stream failure: the status line is already sent
         yield f"data: {json.dumps(e.openai_body())}\n\n"
         return
     finally:
         await chunks.aclose()
     if include_usage:
+        usage = _total_usage([last[i]["usage"] for i in sorted(last)])
         payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
-                   "choices": [], "usage": _usage(last["usage"])}
+                   "choices": [], "usage": _usage(usage)}
         yield f"data: {json.dumps(payload)}\n\n"
     yield "data: [DONE]\n\n"
 

@@ -8,6 +8,7 @@ client gets UNAVAILABLE, told how many tokens it already has.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
@@ -206,10 +207,23 @@ class Service:
         raise ServiceError("unavailable", "no worker could take the request (workers died)")
 
     async def _pick(self, hashes: list[int], session: str | None, tried: list[int]) -> dict:
-        try:
+        async def call() -> dict:
             return await self.router.pick.remote(hashes, session, tried)
+
+        # Shielded: a caller cancelled mid-pick (client gone, a sibling choice failed) must
+        # still give back the slot the router counts for it, or the count leaks for good.
+        task = asyncio.ensure_future(call())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_unused)
+            raise
         except RayActorError:  # the router is restarting (Ray brings it back)
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
+
+    def _release_unused(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None and "idx" in task.result():
+            self.router.release.remote(task.result()["idx"])
 
     async def complete(self, req: GenRequest) -> Result:
         text, ids, last = [], [], None

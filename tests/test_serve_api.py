@@ -158,3 +158,41 @@ def test_http_completion_and_chat_logprobs(serve_app):
     assert usage is not None and len(entries) == usage.completion_tokens == 6
     assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
     assert all(bytes(e.bytes).decode("utf-8") == e.token for e in entries)
+
+
+def test_http_n_choices(serve_app, offline):
+    """`n`: that many choices, indexed; greedy ones equal the offline text; a seed repeats
+    sampled ones; the usage counts the prompt once and every choice's tokens."""
+    client = openai.OpenAI(base_url=serve_app.http_url + "/v1", api_key=serve_app.api_key,
+                           max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    one = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                  temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.text == offline["text"] for c in r.choices)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+        max_tokens=MAX_TOKENS, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True})
+    texts, finished, roles, usage = {0: "", 1: ""}, {}, {}, None
+    for c in stream:
+        usage = c.usage or usage
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            roles.setdefault(ch.index, ch.delta.role)  # each choice's first delta has the role
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert texts == {0: offline["chat"], 1: offline["chat"]}
+    assert roles == {0: "assistant", 1: "assistant"} and set(finished) == {0, 1}
+    assert usage is not None and usage.completion_tokens % 2 == 0 and usage.completion_tokens > 0
+
+    def sampled() -> list[str]:
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                        seed=7, n=2, extra_body={"ignore_eos": True})
+        return [c.text for c in out.choices]
+
+    assert sampled() == sampled()  # choice i samples with seed + i: repeatable

@@ -117,6 +117,8 @@ HTTP_CASES = {
     "wrong type": ({"prompt": "hi", "max_tokens": "many"}, 400),
     "missing prompt": ({"max_tokens": 3}, 400),
     "too many logprobs": ({"prompt": "hi", "logprobs": 21}, 400),
+    "n = 0": ({"prompt": "hi", "n": 0}, 400),
+    "n over the limit": ({"prompt": "hi", "n": 17}, 400),
 }
 
 

@@ -36,6 +36,16 @@ def _wait_idle(worker, timeout: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
+def _wait_router_idle(serve_app, timeout: float = 30.0) -> None:
+    """Until the router has counted every earlier request out (its release calls are
+    fire-and-forget, and may land just after the workers went idle)."""
+    deadline = time.monotonic() + timeout
+    while any(w["inflight"] for w in serve_app.server_info()["workers"]):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"router still counts requests: {serve_app.server_info()}")
+        time.sleep(0.1)
+
+
 def _worker(serve_app, worker_id: str):
     return serve_app.workers()[int(worker_id.rsplit("-", 1)[1])]
 
@@ -52,9 +62,10 @@ def test_grpc_cancel_mid_stream_frees_kv(serve_app):
         _wait_idle(worker)
 
 
-def test_http_disconnect_mid_stream_frees_kv(serve_app):
+@pytest.mark.parametrize("n", [1, 2], ids=["one choice", "two choices"])
+def test_http_disconnect_mid_stream_frees_kv(serve_app, n):
     body = json.dumps({"prompt": "Count from one to one thousand:", "max_tokens": 800,
-                       "ignore_eos": True, "stream": True}).encode()
+                       "ignore_eos": True, "stream": True, "n": n}).encode()
     req = urllib.request.Request(serve_app.http_url + "/v1/completions", data=body, headers={
         "content-type": "application/json", "authorization": f"Bearer {serve_app.api_key}"})
     resp = urllib.request.urlopen(req, timeout=60)
@@ -63,7 +74,8 @@ def test_http_disconnect_mid_stream_frees_kv(serve_app):
         line = resp.readline()
     worker = _worker(serve_app, json.loads(line[6:])["kvserve_worker"])
     resp.close()  # the client goes away mid-stream
-    _wait_idle(worker)
+    for w in (serve_app.workers() if n > 1 else [worker]):  # choices may sit on either worker
+        _wait_idle(w)
 
 
 def test_killed_worker_is_survived_and_replaced(serve_app):
@@ -121,6 +133,7 @@ def test_killed_worker_is_survived_and_replaced(serve_app):
 
 
 def test_overload_is_shed_with_resource_exhausted(serve_app):
+    _wait_router_idle(serve_app)
     router = serve_app.router
     old = ray.get(router.set_max_inflight_per_worker.remote(1))
     try:
@@ -155,3 +168,29 @@ def test_workers_export_engine_stats_as_metrics(serve_app):
         numeric = [k for k, v in stats.items()
                    if isinstance(v, int | float) and not isinstance(v, bool)]
         assert len(names) == len(numeric) and "kvserve_worker_kv_blocks_free" in names
+
+
+def test_a_pick_cancelled_midway_gives_its_slot_back(serve_app):
+    """A request cancelled while the router decides (client gone, a sibling choice of `n`
+    failed) must not leave the router counting it: the count would shed load for good."""
+    import asyncio
+
+    from kvserve.deploy.service import Service
+
+    _wait_router_idle(serve_app)
+    svc = Service(serve_app.config)  # an ingress's view of the same router
+
+    async def go() -> None:
+        t = asyncio.ensure_future(svc._pick([], None, []))
+        await asyncio.sleep(0)  # _pick starts its call...
+        await asyncio.sleep(0)  # ...which reaches the router: cancel before the answer
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await asyncio.sleep(1.0)  # the pick lands on the router after the cancel
+        deadline = time.monotonic() + 10
+        while any(w["inflight"] for w in (await svc.router.server_info.remote())["workers"]):
+            assert time.monotonic() < deadline, "the cancelled pick's slot was never released"
+            await asyncio.sleep(0.05)
+
+    asyncio.run(go())
