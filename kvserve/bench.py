@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -17,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.hardware import available_cores
 
 # Prompt ids stay this far from both ends of the vocabulary: special and control tokens sit
 # at the low end in most vocabularies (SmolLM2: 0..16) and added tokens at the high end.
@@ -103,14 +104,6 @@ def machine_info(threads: int) -> dict[str, Any]:
     except ImportError:
         pass
     return info
-
-
-def available_cores() -> int:
-    # the affinity mask, not os.cpu_count(): containers and taskset limit the usable cores
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 @dataclass

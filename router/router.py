@@ -14,7 +14,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from kvserve.bench import available_cores
+from kvserve.hardware import available_cores
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.workers.worker_actor import create_worker
 
