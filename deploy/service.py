@@ -222,8 +222,10 @@ class Service:
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
 
     def _release_unused(self, task: asyncio.Future) -> None:
-        if not task.cancelled() and task.exception() is None and "idx" in task.result():
-            self.router.release.remote(task.result()["idx"])
+        if task.cancelled() or task.exception() is not None:
+            return
+        if "idx" in (pick := task.result()):  # a worker was counted for us
+            self.router.release.remote(pick["idx"])
 
     async def complete(self, req: GenRequest) -> Result:
         text, ids, last = [], [], None

@@ -141,22 +141,30 @@ async def run_requests(
     return list(results), time.perf_counter() - start
 
 
+async def _start(client: BenchClient) -> None:
+    try:
+        await client.start()
+    except Exception as e:  # unreachable server, wrong key on ListModels, model load error
+        await client.close()
+        raise BenchError(f"{client.name}: cannot start: {_describe(e)}") from e
+
+
+async def _warm_up(client: BenchClient, warmups: list[BenchRequest]) -> None:
+    for w in warmups:  # one at a time: the first forward passes are slow, keep them out
+        r = await client.send(w)
+        if not r.success:
+            raise BenchError(f"{client.name}: warm-up request failed: {r.error}")
+
+
 async def bench_one(
     client: BenchClient,
     requests: list[BenchRequest],
     warmups: list[BenchRequest],
     a: argparse.Namespace,
 ) -> tuple[list[RequestResult], float, CpuMeter]:
+    await _start(client)
     try:
-        await client.start()
-    except Exception as e:  # unreachable server, wrong key on ListModels, model load error
-        await client.close()
-        raise BenchError(f"{client.name}: cannot start: {_describe(e)}") from e
-    try:
-        for w in warmups:  # one at a time: the first forward passes are slow, keep them out
-            r = await client.send(w)
-            if not r.success:
-                raise BenchError(f"{client.name}: warm-up request failed: {r.error}")
+        await _warm_up(client, warmups)
         offsets = arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed)
         with CpuMeter() as meter:
             res, dur = await run_requests(client, requests, offsets, a.max_concurrency,
@@ -180,20 +188,18 @@ async def bench_interleaved(
     engine's turns run inside `pause()`: with the self-started service stopped meanwhile, the
     engine has the machine without Ray, as when used directly."""
     clients = (engine, target)
+
+    def turn(i: int) -> contextlib.AbstractContextManager:
+        return pause() if i == 0 else contextlib.nullcontext()
+
     started: list[BenchClient] = []
     try:
         for c in clients:
-            try:
-                await c.start()
-            except Exception as e:
-                raise BenchError(f"{c.name}: cannot start: {_describe(e)}") from e
+            await _start(c)
             started.append(c)
         for i, c in enumerate(clients):
-            with pause() if i == 0 else contextlib.nullcontext():
-                for w in warmups:
-                    r = await c.send(w)
-                    if not r.success:
-                        raise BenchError(f"{c.name}: warm-up request failed: {r.error}")
+            with turn(i):
+                await _warm_up(c, warmups)
         results: tuple[list[RequestResult], ...] = ([], [])
         wall, cpu = [0.0, 0.0], ([], [])
         rounds = min(a.rounds, len(requests))
@@ -202,7 +208,7 @@ async def bench_interleaved(
             part = requests[bounds[k]:bounds[k + 1]]
             offsets = arrival_offsets(len(part), a.request_rate, a.burstiness, a.seed + k)
             for i in ((0, 1) if k % 2 == 0 else (1, 0)):
-                with pause() if i == 0 else contextlib.nullcontext(), CpuMeter() as meter:
+                with turn(i), CpuMeter() as meter:
                     res, dur = await run_requests(clients[i], part, offsets, a.max_concurrency,
                                                   a.progress, f"{clients[i].name} {k + 1}/{rounds}")
                 results[i].extend(res)

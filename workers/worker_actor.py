@@ -4,8 +4,9 @@ Each request's outputs are pumped from the engine into a per-request buffer; the
 streaming generator yields everything buffered so far as one chunk. Chunks are paced
 (stream_pacing.py): the first and last go at once, the others at most once per interval,
 the steps in between merged; when the consumer falls behind (Ray's generator backpressure
-pauses the yield), steps merge too, instead of becoming one Ray object per token. Dropping or cancelling the stream, or `abort`, aborts the request in
-the engine, which frees its KV blocks at once.
+pauses the yield), steps merge too, instead of becoming one Ray object per token.
+Dropping or cancelling the stream, or `abort`, aborts the request in the engine, which
+frees its KV blocks at once.
 """
 
 from __future__ import annotations
