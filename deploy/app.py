@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ray.serve import Application
+from typing import TYPE_CHECKING, Any
 
 from kvserve.deploy.config import ServeConfig
+
+if TYPE_CHECKING:  # Ray loads only when an app is built, not for `kvserve --help`
+    from ray.serve import Application
 
 APP_NAME = "kvserve"
 # the generated add_KVServeServicer_to_server, registered so unparsable requests get a clear

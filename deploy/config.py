@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.config import EngineConfig
+from kvserve.router.config import RouterConfig
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
 
@@ -66,11 +67,17 @@ class ServeConfig(BaseModel):
 
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
-        engine = self.engine_config().model_dump()
-        # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1)
-        if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
-            engine["num_threads"] = max(1, node_cores // self.num_workers)
-        return engine
+        return self.router_config().worker_engine(node_cores)
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            num_workers=self.num_workers, engine=self.engine_config().model_dump(),
+            num_cpus_per_worker=self.num_cpus_per_worker,
+            num_gpus_per_worker=self.num_gpus_per_worker,
+            stream_interval_ms=self.stream_interval_ms, routing_policy=self.routing_policy,
+            max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
+            load_poll_interval_s=self.load_poll_interval_s,
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{**self.engine, "model": self.model})

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,23 +22,57 @@ class Endpoints:
     http_url: str  # base URL of the OpenAI API (without /v1)
 
 
-def deploy(cfg: ServeConfig, ray_init: dict[str, Any] | None = None) -> Endpoints:
+log = logging.getLogger(__name__)
+# Ray waits 60 s per try for Serve's proxies; a loaded 2-core machine can need several tries
+START_TIMEOUT_ENV = "KVSERVE_START_TIMEOUT_S"
+DEFAULT_START_TIMEOUT_S = 600.0
+
+
+def deploy(
+    cfg: ServeConfig, ray_init: dict[str, Any] | None = None, start_timeout_s: float | None = None
+) -> Endpoints:
     """Start a local Ray if none is running, start Serve on the configured ports, deploy."""
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
+    if start_timeout_s is None:
+        start_timeout_s = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     if not ray.is_initialized():
         if cfg.num_gpus_per_worker == 0:
             apply_cpu_host_defaults()
         ray.init(**(ray_init or {}))
-    serve.start(
+    deadline = time.monotonic() + start_timeout_s
+    _until_ready(lambda: serve.start(
         http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port),
         grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
-    )
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
+    ), f"Serve's proxies (HTTP {cfg.http_host}:{cfg.http_port}, gRPC :{cfg.grpc_port})", deadline)
+    _until_ready(lambda: serve.run(build_app(cfg), name=APP_NAME, route_prefix="/"),
+                 f"the {APP_NAME} application (router, {cfg.num_workers} worker(s) loading the "
+                 "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
     return Endpoints(f"{host}:{cfg.grpc_port}", f"http://{host}:{cfg.http_port}")
+
+
+def _until_ready(step: Callable[[], Any], what: str, deadline: float) -> None:
+    """Run a Serve start-up step, trying again while it times out and time is left.
+
+    Both steps are idempotent: a second serve.start connects to the controller the first one
+    made, and a second serve.run of an unchanged app only waits for it again."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            step()
+            return
+        except TimeoutError as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"kvserve: gave up waiting for {what} after {tries} tries ({e}); the machine "
+                    f"may be overloaded: raise ${START_TIMEOUT_ENV} (seconds) to wait longer"
+                ) from e
+            log.warning("still waiting for %s (%s); %.0f s left", what, e, left)
 
 
 def shutdown() -> None:

@@ -25,7 +25,7 @@ from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
 from kvserve.router.router import get_or_create_router
 from kvserve.sampling import SamplingParams, parse_sampling_params
-from kvserve.workers.tokenizer import load_tokenizer
+from kvserve.workers.loading.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Service:
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
         self.tokenizer = load_tokenizer(resolve_model(cfg.model))
-        self.router = get_or_create_router(cfg.model_dump())
+        self.router = get_or_create_router(cfg.router_config())
         self.workers: list[Any] = []
         self.epoch = ""
         self.max_model_len = 0

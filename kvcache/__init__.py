@@ -1,1 +1,2 @@
-"""Per-stream paged KV cache: device block pool, block tables, prefix sharing."""
+"""Per-stream paged KV cache: block pool, block tables with plan/commit/rollback, device KV
+tensor, host tier and its copies. Imports only the kvserve core (config, errors)."""

@@ -1,7 +1,7 @@
 """kvserve: LLM serving on Ray with per-stream paged KV caches.
 
-The heavy parts (torch, the model runtime) load lazily so that `kvserve.config`
-and the CLI's help stay fast to import.
+The core (config, sampling, outputs, errors, models, hardware) imports no other kvserve part;
+the front doors (`llm`, `cli`, `grpc_client`, `bench/`) may import any. Heavy parts load lazily.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ class LLM:
     """Runs a model in this process; `model=None` loads the embedded default model."""
 
     def __init__(self, model: str | None = None, **settings: Any) -> None:
-        from kvserve.workers.engine import LLMEngine
+        from kvserve.workers.engine.engine import LLMEngine
 
         self.config = EngineConfig(model=model, **settings)
         self.engine = LLMEngine(self.config)

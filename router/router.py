@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.hardware import available_cores
+from kvserve.router.config import RouterConfig
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.workers.worker_actor import create_worker
 
@@ -28,10 +29,8 @@ MAX_SESSIONS = 100_000
 
 
 class RouterActor:
-    def __init__(self, serve_config: dict[str, Any]) -> None:
-        from kvserve.deploy.config import ServeConfig
-
-        self.cfg = ServeConfig(**serve_config)
+    def __init__(self, router_config: dict[str, Any]) -> None:
+        self.cfg = RouterConfig(**router_config)
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
         engine = self.cfg.worker_engine(available_cores())
         self.handles = [
@@ -172,11 +171,11 @@ class RouterActor:
         }
 
 
-def get_or_create_router(serve_config: dict[str, Any]) -> Any:
+def get_or_create_router(router_config: RouterConfig) -> Any:
     """The router of this Ray cluster (one per application), created on first use."""
     import ray
 
     return ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
         max_restarts=-1, max_concurrency=1000,
-    ).remote(serve_config)
+    ).remote(router_config.to_dict())

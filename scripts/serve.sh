@@ -10,7 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >&2
 VENV="${KVSERVE_VENV:-.venv}"
-# an environment made before serving existed lacks its dependencies: refresh it once
-"$VENV/bin/python" -c "import ray.serve, grpc_reflection, fastapi" 2>/dev/null \
-    || "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e .
 exec "$VENV/bin/kvserve" serve "$@"

@@ -65,7 +65,9 @@ def serve_app() -> Iterator[ServeApp]:
 
     cfg = ServeConfig(num_workers=2, num_cpus_per_worker=1, engine=ENGINE, api_keys=[API_KEY],
                       grpc_port=free_port(), http_port=free_port(), max_imbalance=2)
-    deploy(cfg, ray_init={"num_cpus": 4, "include_dashboard": False, "log_to_driver": False})
+    # a loaded 2-core machine can take minutes to bring Serve's proxies up: wait up to 15 min
+    deploy(cfg, ray_init={"num_cpus": 4, "include_dashboard": False, "log_to_driver": False},
+           start_timeout_s=900)
     import ray
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)

@@ -269,3 +269,11 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return os.fspath(path)
+
+
+def tiny_model_path(tmp_path_factory) -> str:
+    """One tiny random Llama with the SmolLM2 tokenizer, built once per test session."""
+    path = tmp_path_factory.getbasetemp() / "tiny_host_model"
+    if not (path / "config.json").exists():
+        make_tiny_hf_model(path, "llama", seed=7)
+    return str(path)

@@ -1,1 +1,2 @@
-"""Model code, loaders, tokenizer, runner and sampler (the worker side)."""
+"""The worker side: loading/ (files, tokenizer), model/ (model, attention, runner), engine/
+(scheduler, sampler, engine), and the Ray worker actor. Imports kvcache and the core only."""

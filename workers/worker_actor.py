@@ -25,7 +25,7 @@ from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
-from kvserve.workers.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.async_engine import AsyncLLMEngine
 from kvserve.workers.stream_pacing import StreamPacing
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,30 @@
+"""RouterConfig: what the router needs to start its workers and route (built by deploy)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RouterConfig:
+    num_workers: int = 1
+    engine: dict[str, Any] = field(default_factory=dict)  # an EngineConfig as a dict
+    num_cpus_per_worker: float = 1
+    num_gpus_per_worker: float = 0
+    stream_interval_ms: float | None = None
+    routing_policy: str = "affinity"
+    max_imbalance: int = 4
+    max_inflight_per_worker: int = 256
+    load_poll_interval_s: float = 1.0
+
+    def worker_engine(self, node_cores: int) -> dict[str, Any]:
+        """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
+        engine = dict(self.engine)
+        # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1)
+        if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
+            engine["num_threads"] = max(1, node_cores // self.num_workers)
+        return engine
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

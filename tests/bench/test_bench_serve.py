@@ -1,0 +1,361 @@
+"""`kvserve bench serve`: metric math and arrivals on synthetic timings, the workload, and
+short end-to-end runs against the in-process engine and the session service (gRPC, HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvserve.bench.serve_dataset import (
+    BenchRequest,
+    arrival_offsets,
+    prefix_repetition_dataset,
+    random_dataset,
+    sample_lens,
+)
+from kvserve.bench.serve_metrics import (
+    RequestResult,
+    compare,
+    compute_metrics,
+    format_block,
+    meets_slos,
+    parse_goodput,
+)
+
+
+def _res(ttft: float, itl: list[float], out: int | None = None, prompt: int = 10) -> RequestResult:
+    """A completed request whose chunks came after `ttft` then `itl` gaps (one token each)."""
+    n = len(itl) + 1 if out is None else out
+    return RequestResult(success=True, prompt_len=prompt, output_len=n, ttft=ttft, itl=list(itl),
+                         latency=ttft + sum(itl))
+
+
+# ---- metric math -----------------------------------------------------------------------------
+def test_tpot_excludes_the_first_token():
+    r = _res(0.5, [0.1, 0.2, 0.3])  # 4 tokens, e2el 1.1 s
+    assert r.tpot == pytest.approx((1.1 - 0.5) / 3)
+    assert _res(0.5, [], out=1).tpot is None  # one token: no TPOT
+
+
+def test_itl_counts_chunks_tpot_counts_tokens():
+    # 2 chunks after the first, 8 tokens in all: ITL sees 2 gaps, TPOT spreads over 7 tokens
+    r = _res(0.2, [0.35, 0.35], out=8)
+    m = compute_metrics([r], duration=1.0)
+    assert m["mean_itl_ms"] == pytest.approx(350.0)
+    assert m["mean_tpot_ms"] == pytest.approx(700.0 / 7)
+
+
+def test_compute_metrics_totals_and_percentiles():
+    results = [_res(t, [0.01] * 9, prompt=100) for t in (0.1, 0.2, 0.3, 0.4)]
+    results.append(RequestResult(success=False, prompt_len=100, error="boom"))
+    m = compute_metrics(results, duration=2.0, percentiles=(50, 99))
+    assert (m["completed"], m["failed"]) == (4, 1)
+    assert m["total_input_tokens"] == 400 and m["total_output_tokens"] == 40  # failures excluded
+    assert m["request_throughput"] == pytest.approx(2.0)
+    assert m["output_throughput"] == pytest.approx(20.0)
+    assert m["total_token_throughput"] == pytest.approx(220.0)
+    assert m["mean_ttft_ms"] == pytest.approx(250.0)
+    assert m["median_ttft_ms"] == pytest.approx(250.0)
+    assert m["p50_ttft_ms"] == pytest.approx(250.0)
+    # linear interpolation between the 3rd and 4th of 4 values, as numpy (and vLLM) do
+    assert m["p99_ttft_ms"] == pytest.approx(300.0 + 0.97 * 100.0)
+    assert m["mean_itl_ms"] == pytest.approx(10.0) and m["p99_itl_ms"] == pytest.approx(10.0)
+    assert m["mean_e2el_ms"] == pytest.approx(250.0 + 90.0)
+
+
+def test_no_successes_gives_zero_latencies_not_nan():
+    m = compute_metrics([RequestResult(error="x")], duration=1.0)
+    assert m["completed"] == 0 and m["failed"] == 1
+    assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
+    with pytest.raises(ValueError):
+        compute_metrics([], duration=0.0)
+
+
+def test_goodput_counts_requests_within_every_slo():
+    fast = _res(0.05, [0.01] * 10)  # ttft 50 ms, tpot 10 ms, e2el 150 ms
+    slow_first = _res(0.5, [0.01] * 10)  # ttft 500 ms
+    slow_decode = _res(0.05, [0.2] * 10)  # tpot 200 ms
+    slos = parse_goodput(["ttft:100", "tpot:50"])
+    assert slos == {"ttft": 100.0, "tpot": 50.0}
+    assert [meets_slos(r, slos) for r in (fast, slow_first, slow_decode)] == [True, False, False]
+    m = compute_metrics([fast, slow_first, slow_decode], duration=2.0, slos=slos)
+    assert m["request_goodput"] == pytest.approx(0.5)
+    assert meets_slos(_res(0.05, [0.01]), {"e2el": 61.0}) and not meets_slos(
+        _res(0.05, [0.02]), {"e2el": 60.0})
+
+
+@pytest.mark.parametrize("bad", ["ttft", "latency:5", "ttft:abc", "tpot:-1", "e2el:nan"])
+def test_parse_goodput_rejects_bad_slos(bad):
+    with pytest.raises(ValueError, match="goodput"):
+        parse_goodput([bad])
+
+
+def test_printed_block_and_comparison():
+    m = compute_metrics([_res(0.1, [0.02] * 3)], duration=1.0, slos={"ttft": 200.0})
+    block = format_block(m, max_concurrency=4)
+    for label in ("Successful requests:", "Failed requests:", "Maximum request concurrency:",
+                  "Benchmark duration (s):", "Total generated tokens:", "Request goodput (req/s):",
+                  "Output token throughput (tok/s):", "Median TTFT (ms):", "P99 TPOT (ms):",
+                  "Mean ITL (ms):", "Median E2EL (ms):"):
+        assert label in block
+    assert "Median TTFT (ms):                       100.00" in block
+    base = compute_metrics([_res(0.1, [0.02] * 3)], duration=2.0)
+    c = compare(base, m)
+    assert c["output_throughput_ratio"] == pytest.approx(2.0)
+    assert c["ttft_p50_overhead_ms"] == pytest.approx(0.0)
+
+
+# ---- arrivals and workload -------------------------------------------------------------------
+def test_poisson_arrivals_have_the_requested_rate():
+    t = np.array(arrival_offsets(4000, rate=20.0, burstiness=1.0, seed=1))
+    gaps = np.diff(t)
+    assert t[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / 20, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.08)  # exponential: CV 1
+
+
+def test_burstiness_changes_spread_not_rate():
+    bursty = np.diff(arrival_offsets(4000, 10.0, 0.25, seed=2))
+    even = np.diff(arrival_offsets(4000, 10.0, 4.0, seed=2))
+    for gaps in (bursty, even):
+        assert gaps.mean() == pytest.approx(0.1, rel=0.1)
+    # gamma(k): coefficient of variation 1/sqrt(k)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)
+    assert even.std() / even.mean() == pytest.approx(0.5, rel=0.1)
+    assert arrival_offsets(5, math.inf, 1.0, 0) == [0.0] * 5
+    assert arrival_offsets(3, 5.0, 1.0, 7) == arrival_offsets(3, 5.0, 1.0, 7)  # seeded
+    for rate, b in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0), (math.nan, 1.0)):
+        with pytest.raises(ValueError):
+            arrival_offsets(3, rate, b, 0)
+
+
+def test_sample_lens_range():
+    rng = np.random.default_rng(0)
+    assert sample_lens(5, 100, 0.0, rng) == [100] * 5
+    lens = sample_lens(2000, 100, 0.5, rng)
+    assert min(lens) == 50 and max(lens) == 150
+    with pytest.raises(ValueError):
+        sample_lens(1, 10, 1.0, rng)
+
+
+@pytest.fixture(scope="module")
+def tok(smol_path):
+    from kvserve.workers.loading.tokenizer import load_tokenizer
+
+    return load_tokenizer(smol_path)
+
+
+def test_random_prompts_tokenize_to_the_requested_length(tok):
+    reqs = random_dataset(tok, 6, 64, 8, 0.0, seed=3)
+    assert all(r.prompt_len == 64 and r.output_len == 8 for r in reqs)
+    for r in reqs:  # the ids are the server's tokenization of the text sent
+        assert tok.encode(r.prompt) == r.prompt_ids
+    assert random_dataset(tok, 6, 64, 8, 0.0, seed=3) == reqs
+    assert random_dataset(tok, 6, 64, 8, 0.0, seed=4) != reqs
+
+
+def test_prefix_repetition_shares_prefixes(tok):
+    reqs = prefix_repetition_dataset(tok, 8, prefix_len=48, num_prefixes=2, suffix_len=16,
+                                     output_len=4, range_ratio=0.0, seed=5)
+    heads = {tuple(r.prompt_ids[:40]) for r in reqs}
+    assert len(heads) == 2  # two groups, each sharing its prefix tokens
+    assert all(60 <= r.prompt_len <= 68 for r in reqs)  # the seam may merge a token or two
+
+
+# ---- end to end ------------------------------------------------------------------------------
+def test_engine_target_runs_the_requests(tok, smol_llm):
+    from kvserve.bench.serve import run_requests
+    from kvserve.bench.serve_clients import EngineClient
+    from kvserve.workers.engine.async_engine import AsyncLLMEngine
+
+    reqs = random_dataset(tok, 3, 24, 5, 0.0, seed=6)
+
+    async def go() -> tuple[list[RequestResult], float]:
+        client = EngineClient(smol_llm.engine.config)
+        # the session's engine (no second model load); close() stops only the async wrapper
+        client.engine = AsyncLLMEngine(engine=smol_llm.engine)
+        try:
+            return await run_requests(client, reqs, [0.0, 0.0, 0.05], max_concurrency=2)
+        finally:
+            await client.close()
+
+    results, duration = asyncio.run(go())
+    assert all(r.success for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [5, 5, 5]  # EOS ignored: exactly as asked
+    assert all(r.prompt_len == 24 and 0 < r.ttft < r.latency <= duration for r in results)
+    assert all(len(r.itl) >= 1 for r in results)
+
+
+def _bench_cli(args: list[str]) -> int:
+    from kvserve.cli import main
+
+    return main(["bench", "serve", *args])
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    for bad in (["--num-prompts", "0"], ["--request-rate", "0"], ["--goodput", "ttft"],
+                ["--burstiness", "-1"], ["--target", "engine", "--compare-engine"],
+                ["--compare-engine", "--rounds", "0"]):
+        assert _bench_cli(bad) == 2
+        assert "kvserve bench serve:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["grpc", "http"])
+def test_unreachable_server_is_a_clear_error(target, capsys):
+    from kvserve.bench.serve_service import _free_port
+
+    rc = _bench_cli(["--target", target, "--port", str(_free_port()), "--num-prompts", "2",
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"kvserve bench serve: {target}: cannot start:" in err
+    assert "Traceback" not in err
+
+
+def test_wrong_api_key_is_a_clear_error(serve_app, capsys):
+    rc = _bench_cli(["--target", "grpc", "--port", str(serve_app.grpc_port), "--api-key", "nope",
+                     "--num-prompts", "2", "--no-progress"])
+    assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def _check_saved(path, target: str, n: int) -> None:
+    saved = json.loads(path.read_text())
+    m = saved["runs"][target]["metrics"]
+    assert m["completed"] == n and m["failed"] == 0
+    assert m["total_output_tokens"] == n * 4 and m["total_input_tokens"] == n * 32
+    assert m["output_throughput"] > 0 and m["median_ttft_ms"] > 0 and m["mean_tpot_ms"] > 0
+    assert saved["workload"]["num_prompts"] == n
+
+
+@pytest.mark.parametrize("target", ["grpc", "http"])
+def test_end_to_end_against_the_service(serve_app, target, tmp_path, capsys):
+    out = tmp_path / f"{target}.json"
+    port = serve_app.grpc_port if target == "grpc" else serve_app.http_port
+    rc = _bench_cli([
+        "--target", target, "--port", str(port),  # host: 127.0.0.1 when only the port is given
+        "--num-prompts", "4", "--random-input-len", "32", "--random-output-len", "4",
+        "--request-rate", "20", "--max-concurrency", "2", "--num-warmups", "1",
+        "--goodput", "ttft:60000", "--no-progress", "--save-result", str(out),
+        *(["--api-key", serve_app.api_key] if getattr(serve_app, "api_key", None) else []),
+    ])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert f"Serving Benchmark Result ({target})" in printed
+    assert "Successful requests:                    4" in printed
+    _check_saved(out, target, 4)
+    assert json.loads(out.read_text())["runs"][target]["metrics"]["request_goodput"] > 0
+
+
+def test_bench_request_is_plain_data():
+    r = BenchRequest("hi", [1, 2], 3)
+    assert r.prompt_len == 2
+
+
+def test_cpu_meter_counts_this_process_as_the_bench():
+    import time
+
+    from kvserve.bench.serve_load import CpuMeter
+
+    cpu0 = time.process_time()
+    with CpuMeter() as meter:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:  # 0.3 CPU seconds, however busy the machine is
+            pass
+    used = time.process_time() - cpu0
+    f = meter.figures
+    assert f["bench_cores"] * f["wall_s"] == pytest.approx(used, abs=0.06)  # 10 ms ticks
+    assert f["other_cores"] >= 0.0
+    assert CpuMeter().warning("x") is None  # no figures, no warning
+
+
+def test_cpu_meter_merges_slices_by_their_wall_time():
+    from kvserve.bench.serve_load import CpuMeter
+
+    a, b, empty = CpuMeter(), CpuMeter(), CpuMeter()
+    a.figures = {"cores": 2, "wall_s": 1.0, "bench_cores": 2.0, "other_cores": 0.0}
+    b.figures = {"cores": 2, "wall_s": 3.0, "bench_cores": 1.0, "other_cores": 0.4}
+    m = CpuMeter.merged([a, empty, b]).figures
+    assert m["wall_s"] == 4.0 and m["cores"] == 2
+    assert m["bench_cores"] == pytest.approx(5.0 / 4.0)  # (2*1 + 1*3) CPU-s over 4 s
+    assert m["other_cores"] == pytest.approx(1.2 / 4.0)
+    assert CpuMeter.merged([empty]).figures == {}
+
+
+def test_paused_service_stops_its_processes_and_resumes_them():
+    import subprocess
+
+    import psutil
+
+    from kvserve.bench.serve_service import BenchService
+
+    child = subprocess.Popen(["sleep", "30"])  # stands in for the Ray processes: a descendant
+    try:
+        p = psutil.Process(child.pid)
+        with BenchService(1, 2, None).paused():
+            assert p.status() == psutil.STATUS_STOPPED
+        assert p.status() != psutil.STATUS_STOPPED
+        with pytest.raises(RuntimeError), BenchService(1, 2, None).paused():
+            raise RuntimeError("a failed round")  # the processes go on even then
+        assert p.status() != psutil.STATUS_STOPPED
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_interleaved_rounds_alternate_with_the_engine_paused(tok, smol_llm, serve_app):
+    """--rounds: every request through both, in slices whose order alternates; only the
+    engine's turns run inside pause()."""
+    import argparse
+    import contextlib
+
+    from kvserve.bench.serve import bench_interleaved
+    from kvserve.bench.serve_clients import EngineClient, GrpcClient
+    from kvserve.workers.engine.async_engine import AsyncLLMEngine
+
+    state = {"paused": False}
+    log: list[tuple[str, bool, int]] = []
+
+    @contextlib.contextmanager
+    def pause():
+        state["paused"] = True
+        try:
+            yield
+        finally:
+            state["paused"] = False
+
+    class Logged:  # records which client sent what, and whether the service was paused
+        def __init__(self, inner):
+            self.inner, self.name = inner, inner.name
+
+        async def start(self):
+            if isinstance(self.inner, EngineClient):  # the session's engine: no second load
+                self.inner.engine = AsyncLLMEngine(engine=smol_llm.engine)
+            else:
+                await self.inner.start()
+
+        async def send(self, req):
+            log.append((self.name, state["paused"], req.prompt_len))
+            return await self.inner.send(req)
+
+        async def close(self):
+            await self.inner.close()
+
+    reqs = random_dataset(tok, 5, 24, 3, 0.0, seed=11)
+    warm = random_dataset(tok, 1, 16, 2, 0.0, seed=12)
+    key = getattr(serve_app, "api_key", None)
+    a = argparse.Namespace(rounds=3, request_rate=math.inf, burstiness=1.0, seed=0,
+                           max_concurrency=1, progress=False)
+    outcome = asyncio.run(bench_interleaved(
+        Logged(EngineClient(smol_llm.engine.config)),
+        Logged(GrpcClient("127.0.0.1", serve_app.grpc_port, api_key=key)), reqs, warm, a, pause))
+    (eng_res, eng_s, _), (grpc_res, grpc_s, _) = outcome
+    assert all(r.success for r in eng_res + grpc_res)
+    assert [r.output_len for r in eng_res] == [3] * 5 == [r.output_len for r in grpc_res]
+    assert eng_s > 0 and grpc_s > 0
+    assert all(paused == (name == "engine") for name, paused, _ in log)
+    timed = [name for name, _, n in log if n == 24]
+    # slices of 2, 1, 2 requests; the engine goes first in rounds 1 and 3, the target in 2
+    assert timed == ["engine"] * 2 + ["grpc"] * 2 + ["grpc", "engine"] + ["engine"] * 2 + ["grpc"] * 2

@@ -1,0 +1,106 @@
+"""`kvserve generate --server`, the Serve config YAML, the builder and ServeConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvserve.deploy.config import ServeConfig
+from kvserve.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generate_against_server_streams_offline_text(serve_app, smol_llm, capsys):
+    from kvserve.cli import main
+
+    prompt = "The capital of France is"
+    rc = main(["generate", "--server", serve_app.grpc_target, "--api-key", serve_app.api_key,
+               "--prompt", prompt, "--max-tokens", "10"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    expect = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].text
+    assert out == expect + "\n"
+    assert "served by worker-" in err
+
+    rc = main(["generate", "--server", serve_app.grpc_target, "--prompt", prompt])
+    assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_serve_config_yaml_is_valid_for_serve_and_kvserve():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema(**doc)
+    app = doc["applications"][0]
+    cfg = ServeConfig(**app["args"])
+    assert cfg.grpc_port == schema.grpc_options.port and cfg.http_port == schema.http_options.port
+    from ray.serve.config import gRPCOptions
+
+    fns = gRPCOptions(grpc_servicer_functions=doc["grpc_options"]["grpc_servicer_functions"])
+    assert len(fns.grpc_servicer_func_callable) == 1
+    from kvserve.deploy.app import build_app
+
+    assert build_app({**app["args"], "num_workers": "2"}) is not None  # serve run passes strings
+
+
+def test_serve_config_api_keys_and_engine(monkeypatch):
+    monkeypatch.setenv("KVSERVE_API_KEYS", "k2, k3")
+    cfg = ServeConfig(api_keys="k1,k2", engine={"num_threads": 1})
+    assert cfg.resolved_api_keys() == ["k1", "k2", "k3"]
+    assert cfg.engine_config().num_threads == 1
+    with pytest.raises(ValueError):
+        ServeConfig(engine={"kv_cache_tokenz": 5})
+    with pytest.raises(ValueError):
+        ServeConfig(num_workers=0)
+    with pytest.raises(ValueError):
+        ServeConfig(stream_interval_ms=-1)
+
+
+def test_cpu_workers_share_the_cores_unless_threads_are_set():
+    # a Ray actor would otherwise run torch on OMP_NUM_THREADS = num_cpus = 1 thread
+    assert ServeConfig(num_workers=1).worker_engine(8)["num_threads"] == 8
+    assert ServeConfig(num_workers=3).worker_engine(8)["num_threads"] == 2
+    assert ServeConfig(num_workers=4).worker_engine(2)["num_threads"] == 1
+    assert ServeConfig(engine={"num_threads": 3}).worker_engine(8)["num_threads"] == 3
+    assert ServeConfig(num_gpus_per_worker=1).worker_engine(8)["num_threads"] is None
+
+
+def test_cpu_host_ray_defaults_leave_set_variables_alone(monkeypatch):
+    import os
+
+    from kvserve.deploy.ray_tuning import CPU_HOST_RAY_ENV, apply_cpu_host_defaults
+
+    for k in CPU_HOST_RAY_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")  # the operator's choice
+    applied = apply_cpu_host_defaults()
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in applied
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+    assert set(applied) == set(CPU_HOST_RAY_ENV) - {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}
+    assert all(os.environ[k] == v for k, v in applied.items())
+    assert apply_cpu_host_defaults() == {}  # idempotent
+
+
+def test_start_up_waits_through_timeouts_and_says_what_it_waited_for():
+    import time
+
+    from kvserve.deploy.serve_cli import _until_ready
+
+    calls = []
+
+    def slow_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise TimeoutError("Proxies not available after 60s.")
+
+    _until_ready(slow_twice, "the proxies", time.monotonic() + 60)
+    assert len(calls) == 3
+
+    def never():
+        raise TimeoutError("Proxies not available after 60s.")
+
+    with pytest.raises(TimeoutError, match="gave up waiting for the proxies.*KVSERVE_START_TIMEOUT_S"):
+        _until_ready(never, "the proxies", time.monotonic() - 1)

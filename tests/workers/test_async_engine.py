@@ -1,0 +1,117 @@
+"""AsyncLLMEngine: many concurrent streams, cancellation, bad input, KV hygiene."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling import SamplingParams
+from kvserve.workers.engine.async_engine import AsyncLLMEngine
+
+
+@pytest.fixture(scope="module")
+def aengine(smol_path):
+    eng = AsyncLLMEngine(EngineConfig(model=smol_path, kv_cache_tokens=16384, max_num_seqs=64))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(eng: AsyncLLMEngine, prompt, params, rid=None):
+    ids, text, last = [], "", None
+    async for out in eng.generate(prompt, params, rid):
+        ids += out.delta_token_ids
+        text += out.delta_text
+        last = out
+    return ids, text, last
+
+
+def wait_idle(eng: AsyncLLMEngine, timeout: float = 10.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = eng.stats()
+        if s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {eng.stats()}")
+
+
+def test_64_concurrent_requests_match_solo_runs(aengine):
+    rng = random.Random(7)
+    reqs = []
+    for _ in range(64):
+        n = rng.choice([3, 9, 20, 45, 90, 150])
+        prompt = [rng.randrange(100, 40000) for _ in range(n)]
+        reqs.append((prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True)))
+
+    async def together():
+        return await asyncio.gather(*(collect(aengine, p, sp) for p, sp in reqs))
+
+    batched = asyncio.run(together())
+
+    async def solo():
+        return [await collect(aengine, p, sp) for p, sp in reqs]
+
+    alone = asyncio.run(solo())
+    for (ids, text, last), (ids_a, text_a, _), (_, sp) in zip(batched, alone, reqs, strict=True):
+        assert ids == ids_a
+        assert text == text_a == last.text
+        assert len(ids) == sp.max_tokens and last.finish_reason == "length"
+        assert last.usage.completion_tokens == len(ids)
+    wait_idle(aengine)
+
+
+def test_cancel_consumer_aborts_and_frees_blocks(aengine):
+    async def run():
+        got = 0
+        agen = aengine.generate("Tell me a very long story.", SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in agen:
+            got += len(out.delta_token_ids)
+            if got >= 3:
+                break
+        await agen.aclose()
+        # a task cancelled while waiting for its next token aborts as well
+        task = asyncio.create_task(collect(aengine, "Another long story:", SamplingParams(max_tokens=500, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got
+
+    assert asyncio.run(run()) >= 3
+    wait_idle(aengine)
+
+
+def test_bad_input_raises_and_others_keep_streaming(aengine):
+    async def run():
+        good = asyncio.create_task(collect(aengine, "Count: 1, 2,", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+        with pytest.raises(InvalidRequestError):
+            await collect(aengine, "", SamplingParams())
+        with pytest.raises(InvalidRequestError):
+            await collect(aengine, list(range(100, 9000)), SamplingParams())
+        with pytest.raises(ValueError):
+            SamplingParams(temperature=float("nan"))
+        ids, _, last = await good
+        return ids, last
+
+    ids, last = asyncio.run(run())
+    assert len(ids) == 10 and last.finish_reason == "length"
+    wait_idle(aengine)
+
+
+def test_duplicate_request_id_rejected(aengine):
+    async def run():
+        t1 = asyncio.create_task(collect(aengine, "a b c", SamplingParams(max_tokens=30, ignore_eos=True), "same"))
+        await asyncio.sleep(0.2)
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await collect(aengine, "d e f", SamplingParams(max_tokens=3), "same")
+        return await t1
+
+    ids, _, _ = asyncio.run(run())
+    assert len(ids) == 30
+    wait_idle(aengine)

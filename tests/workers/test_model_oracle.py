@@ -1,0 +1,116 @@
+"""kvserve's model runtime against transformers as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_hf_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.kvcache.manager import StreamStep
+from kvserve.workers.loading.loader import load_model
+from kvserve.workers.model.attention_torch import TorchAttention
+from kvserve.workers.model.runner import ModelRunner
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three uses of copper:\n1.",
+    "Translate to French: I like apples.",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Q: What is 17 times 3?\nA:",
+    "Écris un poème sur la mer 🌊:",
+    "import numpy as np\n\nx = np.",
+]
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize(
+    "arch,kw",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"rope_scaling": "llama3"}),
+        ("mistral", {}),
+        ("qwen2", {}),
+    ],
+)
+def test_tiny_model_logits_match_transformers(tmp_path, arch, kw):
+    """Prompt logits and every greedy decode step's logits equal HF's within 1e-4."""
+    import transformers
+
+    path = make_tiny_hf_model(tmp_path / arch, arch, seed=3, **kw)
+    hf = getattr(transformers, {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                "qwen2": "Qwen2ForCausalLM"}[arch]).from_pretrained(path).eval()
+    runner = ModelRunner(load_model(path), EngineConfig(kv_cache_tokens=512, block_size=4))
+    ids = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 17, 29, 22]
+    # prompt in two chunks: the second attends to the first through the paged cache
+    runner.execute([StreamStep("s", ids, 5)])
+    _, logits = runner.execute([StreamStep("s", ids, len(ids))])
+    ref = hf_logits(hf, ids)
+    torch.testing.assert_close(logits[0], ref[-1], atol=1e-4, rtol=0)
+    for _ in range(12):
+        ids = ids + [int(logits[0].argmax())]
+        _, logits = runner.execute([StreamStep("s", ids, len(ids))])
+        torch.testing.assert_close(logits[0], hf_logits(hf, ids)[-1], atol=1e-4, rtol=0)
+
+
+def test_smollm2_greedy_matches_transformers(smol_llm: LLM, hf_smol):
+    """The default GGUF gives transformers' greedy 32 tokens for varied prompts, batched."""
+    tok = smol_llm.tokenizer
+    chats = [[{"role": "user", "content": "What is the boiling point of water?"}]]
+    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts += [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = smol_llm.generate(prompts, params)
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf_smol.generate(
+                torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                pad_token_id=2,
+            )[0, len(ids):].tolist()
+        assert out.token_ids == ref, tok.decode(ids)
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c-decode-kernel", "sdpa-only"])
+def test_isolation_alone_vs_packed(smol_path, c_kernel):
+    """A stream's logits are the same alone or packed with 15 streams of other lengths."""
+    loaded = load_model(smol_path)
+    g = torch.Generator().manual_seed(1)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+    target = rand(48)  # three full blocks: the decode token opens a fourth
+    alone = ModelRunner(loaded, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=False))
+    alone.attn = TorchAttention(use_kernel=c_kernel)
+    _, ref_prefill = alone.execute([StreamStep("t", target, len(target))])
+    ext = target + [int(ref_prefill[0].argmax())]
+    _, ref_decode = alone.execute([StreamStep("t", ext, len(ext))])
+
+    packed = ModelRunner(loaded, EngineConfig(kv_cache_tokens=8192, enable_prefix_caching=False))
+    packed.attn = TorchAttention(use_kernel=c_kernel)
+    assert (packed.attn.kernel is not None) == c_kernel, "the C kernel failed to build"
+    others = {f"o{i}": rand(3 + 23 * i) for i in range(15)}
+    # half the neighbours are already decoding, so the step mixes prefill and decode
+    # and the target's blocks end up interleaved with theirs (a gathered, not viewed, table)
+    packed.execute([StreamStep(k, v, len(v)) for k, v in list(others.items())[:8]])
+    for k in list(others)[:8]:
+        others[k] = others[k] + [5]
+    steps = [StreamStep(k, v, len(v)) for k, v in others.items()]
+    _, logits = packed.execute(steps[:7] + [StreamStep("t", target, len(target))] + steps[7:])
+    torch.testing.assert_close(logits[7], ref_prefill[0], atol=1e-4, rtol=0)
+    for k in others:
+        others[k] = others[k] + [9]
+    steps = [StreamStep(k, v, len(v)) for k, v in others.items()]
+    _, logits = packed.execute([StreamStep("t", ext, len(ext))] + steps)
+    torch.testing.assert_close(logits[0], ref_decode[0], atol=1e-4, rtol=0)
+    table = packed.kv.block_table("t")
+    assert table != list(range(table[0], table[0] + len(table))), "decode read a gathered table"

@@ -1,0 +1,248 @@
+"""Batch planning: which streams run this step and how far, with KV reserved up front.
+
+Every step decodes one token for each running stream and fills the rest of the
+token budget (`max_num_batched_tokens`) with chunked prefill of waiting prompts,
+in priority then arrival order (FCFS when all priorities are equal).
+
+Admission keeps headroom: a prompt is admitted only if, after its blocks, enough
+free blocks remain for the running streams' next `admission_lookahead` tokens,
+so running out of KV mid-generation is rare. When a step still does not fit,
+the whole plan is retried without the newest admissions, then a running stream
+chosen by the preemption policy is evicted and parked.
+
+With a host tier, eviction writes the stream's blocks back to host memory (blocks
+already there are not copied again) and frees its device blocks only once that
+copy has completed. Without one, the blocks are freed at once (they stay in the
+prefix cache) and the lost part is recomputed. Parked streams come back before
+any new request, FIFO by park time, as soon as they fit with headroom: device
+prefix hits first, then host hits by copy, then recompute for the rest.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Callable
+
+from kvserve.kvcache.hashing import hash_full_blocks
+from kvserve.kvcache.host_cache import ParkedKV
+from kvserve.kvcache.manager import KVCacheFull, KVCacheManager, StepPlan, StreamStep
+from kvserve.workers.engine.sequence import Sequence, Status
+
+PreemptionPolicy = Callable[[list[Sequence], KVCacheManager], Sequence]
+
+# victim choosers: newest admitted (least work lost on average), least computed, largest
+PREEMPTION_POLICIES: dict[str, PreemptionPolicy] = {
+    "newest": lambda running, kv: max(running, key=lambda s: s.arrival),
+    "least_computed": lambda running, kv: min(running, key=lambda s: kv.num_computed(s.request_id)),
+    "largest": lambda running, kv: max(running, key=lambda s: len(kv.block_table(s.request_id))
+                                       if kv.has_stream(s.request_id) else 0),
+}
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption: str | PreemptionPolicy = "newest",
+        admission_lookahead: int = 128,
+        max_evictions_per_request: int = 4,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max_num_batched_tokens
+        self.choose_victim = PREEMPTION_POLICIES[preemption] if isinstance(preemption, str) else preemption
+        self.lookahead_blocks = kv.blocks_needed(admission_lookahead)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: deque[Sequence] = deque()  # evicted streams, oldest first
+        self.inflight: list[Sequence] = []  # parked streams whose write-back is in flight
+        self.max_evictions = max_evictions_per_request
+        self.num_preemptions = 0
+        self.evictions_over_cap = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue behind every request of the same or higher priority (lower value first)."""
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        keys = [(s.priority, s.arrival) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, (seq.priority, seq.arrival)), seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted stream with everything it holds on device and host."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.parked:
+            self.parked.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release_parked(seq)
+        self.kv.free(seq.request_id)
+
+    def release_parked(self, seq: Sequence) -> None:
+        """Drop a parked stream's host pins (after its in-flight copy, if any, completed)."""
+        if seq in self.inflight:
+            self.inflight.remove(seq)
+        parked = seq.parked_kv
+        if parked is not None and self.kv.host is not None:
+            self.kv.host.release(parked)
+        self.kv.release_held(seq.request_id)
+        seq.parked_kv = None
+
+    def _reap(self, wait: bool) -> bool:
+        """Free the device blocks of evicted streams whose write-back has completed."""
+        freed = False
+        for seq in list(self.inflight):
+            parked = seq.parked_kv
+            t = parked.transfer if parked is not None else None
+            if t is not None and not wait and not t.done():
+                continue
+            self.inflight.remove(seq)
+            if parked is not None and t is not None:
+                try:
+                    t.wait()
+                except Exception:
+                    # the host copy is unusable: fall back to recompute for all of it
+                    host = self.kv.host
+                    assert host is not None
+                    host.release(parked, forget=parked.host_blocks + (
+                        [parked.tail_block] if parked.tail_block is not None else []))
+                    seq.parked_kv = ParkedKV(parked.num_tokens, block_size=self.kv.block_size)
+                else:
+                    parked.transfer = None
+            self.kv.release_held(seq.request_id)
+            freed = True
+        return freed
+
+    def schedule(self) -> tuple[StepPlan | None, list[Sequence]]:
+        """Pick this step's streams and reserve their KV; (None, []) when idle."""
+        max_admit = self.max_num_seqs
+        # with nothing running there is nothing to overlap the copies with: wait for them
+        self._reap(wait=not self.running)
+        while True:
+            steps, seqs, admitted = self._pick(max_admit)
+            if not steps:
+                return None, []
+            try:
+                plan = self.kv.reserve(steps)
+            except KVCacheFull:
+                if admitted:
+                    # put the newest admitted prompt back and try with one fewer
+                    for s in reversed(admitted):
+                        self.running.remove(s)
+                        s.status = Status.WAITING
+                        (self.parked if s.parked_kv is not None else self.waiting).appendleft(s)
+                    max_admit = len(admitted) - 1
+                    continue
+                if self._reap(wait=True):
+                    continue  # blocks of finished write-backs came free
+                if not self._preempt():
+                    raise
+                continue
+            for s, p in zip(seqs, plan.streams, strict=True):
+                if p.is_new and s.num_evictions == 0:
+                    s.num_cached_prompt = min(p.start, len(s.prompt_ids))
+            return plan, seqs
+
+    def _pick(self, max_admit: int) -> tuple[list[StreamStep], list[Sequence], list[Sequence]]:
+        kv = self.kv
+        budget = self.max_tokens
+        steps: list[StreamStep] = []
+        seqs: list[Sequence] = []
+        free = kv.num_free_blocks
+        headroom = 0
+        for s in self.running:
+            ids = s.all_ids
+            done = kv.num_computed(s.request_id)
+            have = len(kv.block_table(s.request_id)) if kv.has_stream(s.request_id) else 0
+            final = kv.blocks_needed(s.max_len)
+            headroom += min(self.lookahead_blocks, max(0, final - have))
+            if budget <= 0:
+                continue
+            n = min(len(ids) - done, budget)
+            steps.append(StreamStep(s.request_id, ids, done + n))
+            seqs.append(s)
+            budget -= n
+            free -= max(0, kv.blocks_needed(done + n) - have)
+        admitted: list[Sequence] = []
+        while (
+            (self.parked or self.waiting)
+            and budget > 0
+            and len(admitted) < max_admit
+            and len(self.running) < self.max_num_seqs
+        ):
+            queue = self.parked if self.parked else self.waiting  # parked streams first
+            s = queue[0]
+            if s.request_id in kv.held:
+                break  # its write-back is still in flight
+            ids = s.all_ids
+            hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv)
+            cached = hit.num_tokens
+            # restored tokens are copied, not computed: only the rest counts against the budget
+            n = min(len(ids) - cached, budget)
+            need = kv.blocks_needed(cached + n) - len(hit.device_blocks)
+            if self.running and free - need < headroom:
+                break  # keep room for the running streams' next tokens
+            queue.popleft()
+            s.status = Status.RUNNING
+            self.running.append(s)
+            admitted.append(s)
+            steps.append(StreamStep(s.request_id, ids, cached + n, s.parked_kv))
+            seqs.append(s)
+            budget -= n
+            free -= need
+            headroom += min(self.lookahead_blocks, max(0, kv.blocks_needed(s.max_len) - need))
+        return steps, seqs, admitted
+
+    def _preempt(self) -> bool:
+        """Evict a running stream chosen by the policy and park it.
+
+        Streams evicted `max_evictions` times already are exempt while another can go;
+        when every running stream reached the cap, the policy picks among all of them
+        (counted in `evictions_over_cap`) rather than stalling the engine.
+        """
+        if len(self.running) <= 1:
+            return False
+        eligible = [s for s in self.running if s.num_evictions < self.max_evictions]
+        if not eligible:
+            eligible = self.running
+            self.evictions_over_cap += 1
+        victim = self.choose_victim(eligible, self.kv)
+        self.running.remove(victim)
+        self.park(victim)
+        self.num_preemptions += 1
+        return True
+
+    def park(self, seq: Sequence) -> None:
+        """Take a stream off the device: write its blocks back to host (if there is a host
+        tier) and queue it behind the streams parked before it."""
+        kv = self.kv
+        rid = seq.request_id
+        n = kv.num_computed(rid)
+        parked = ParkedKV(n, block_size=kv.block_size)
+        if kv.host is not None and n > 0:
+            state = kv.stream(rid)
+            hashes = state.block_hashes
+            if len(hashes) != n // kv.block_size:  # prefix caching off: hash here
+                hashes = hash_full_blocks(seq.all_ids[:n], kv.block_size)
+            parked = kv.host.park(state.block_ids, hashes, n)
+            kv.hold(rid)
+            if parked.transfer is not None and not parked.transfer.done():
+                self.inflight.append(seq)
+            else:
+                if parked.transfer is not None:
+                    parked.transfer.wait()  # completed: runs its finish step
+                parked.transfer = None
+                kv.release_held(rid)
+        else:
+            kv.free(rid)
+        seq.parked_kv = parked
+        seq.num_evictions += 1
+        seq.status = Status.WAITING
+        self.parked.append(seq)

@@ -1,0 +1,142 @@
+"""Per-request state: tokens, sampling parameters, stop conditions, streamed text."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from kvserve.kvcache.host_cache import ParkedKV
+from kvserve.outputs import RequestOutput, Usage
+from kvserve.sampling import SamplingParams
+from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        generator: torch.Generator | None,
+        max_model_len: int,
+        arrival: int,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.params = params
+        self.generator = generator
+        self.arrival = arrival
+        self.priority = priority
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_cached_prompt = 0
+        # set while the stream is evicted (parked) and until its first step back has run
+        self.parked_kv: ParkedKV | None = None
+        self.num_evictions = 0
+        self.max_model_len = max_model_len
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.text = ""  # output text, stop string excluded unless asked
+        self.emitted = 0  # characters of `text` already streamed
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top_logprobs: list[list[tuple[int, float]]] | None = (
+            [] if params.logprobs else None
+        )
+        # the longest stop string minus one char: text that may still become a stop match
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this stream can reach (prompt + max_tokens, capped by the model)."""
+        return min(self.max_model_len, len(self.prompt_ids) + self.params.max_tokens)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        """Add a sampled token and check every stop condition."""
+        self.output_ids.append(token)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        if self.top_logprobs is not None and top is not None:
+            self.top_logprobs.append(top)
+        p = self.params
+        n_out = len(self.output_ids)
+        is_eos = token in self.eos_ids and not p.ignore_eos
+        is_stop_id = token in p.stop_token_ids
+        if (is_eos or is_stop_id) and n_out >= p.min_tokens:
+            self.text += self.detok.flush()
+            self._finish("stop", token)
+            return
+        prev = len(self.text)
+        self.text += self.detok.step([token])
+        if p.stop and n_out >= p.min_tokens and self._check_stop_strings(prev):
+            return
+        if n_out >= p.max_tokens:
+            self.text += self.detok.flush()
+            self._finish("length", None)
+        elif len(self.prompt_ids) + n_out >= self.max_model_len:
+            self.text += self.detok.flush()
+            self._finish("length", None)
+
+    def _check_stop_strings(self, prev_len: int) -> bool:
+        # a new match must end in the new text, so it starts at most `holdback` chars before it
+        start = max(0, prev_len - self.holdback)
+        best: tuple[int, str] | None = None
+        for s in self.params.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
+        self._finish("stop", s)
+        return True
+
+    def _finish(self, reason: str, stop: str | int | None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop
+
+    def abort(self) -> None:
+        if self.status != Status.FINISHED:
+            self._finish("abort", None)
+
+    def text_delta(self) -> str:
+        """New text safe to stream: held back while it could still start a stop string."""
+        end = len(self.text) if self.finish_reason else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def to_output(self, delta_tokens: int = 0) -> RequestOutput:
+        """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            text=self.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            usage=Usage(len(self.prompt_ids), self.num_cached_prompt, len(self.output_ids)),
+            delta_token_ids=self.output_ids[len(self.output_ids) - delta_tokens :] if delta_tokens else [],
+            delta_text=self.text_delta(),
+        )

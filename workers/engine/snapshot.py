@@ -1,0 +1,133 @@
+"""Parked-stream snapshots: a self-contained msgpack record that another engine resumes.
+
+A snapshot carries the request (prompt and generated tokens, sampling parameters,
+the request's RNG state, streamed text so far) and the KV the host tier saved for
+it: its full blocks then its partial tail, as raw bytes in the pool's block layout.
+The importing engine must run the same model geometry; with a different block size
+or no host tier it drops the KV and recomputes it (the output is the same).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+
+from kvserve.errors import InvalidRequestError
+from kvserve.kvcache.hashing import hash_full_blocks
+from kvserve.kvcache.host_cache import ParkedKV
+from kvserve.sampling import SamplingParams
+from kvserve.workers.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from kvserve.workers.engine.engine import LLMEngine
+
+VERSION = 1
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def model_geometry(engine: LLMEngine) -> dict[str, int]:
+    c = engine.model_config
+    return {"vocab_size": c.vocab_size, "num_layers": c.num_layers,
+            "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+
+
+def export_stream(engine: LLMEngine, request_id: str) -> bytes:
+    """Park `request_id` (if it is running), serialize it, and remove it from `engine`."""
+    sched = engine.scheduler
+    seq = engine.seqs.get(request_id)
+    if seq is None:
+        raise InvalidRequestError(f"no unfinished request {request_id!r}")
+    if seq in sched.running:
+        sched.running.remove(seq)
+        sched.park(seq)
+    kv_bytes, kv_tokens, shape = b"", 0, [0]
+    host = engine.kv.host
+    parked = seq.parked_kv
+    if parked is not None and host is not None and parked.saved_tokens:
+        data = host.read(parked)
+        kv_bytes = data.contiguous().view(torch.uint8).numpy().tobytes()
+        kv_tokens, shape = parked.saved_tokens, list(data.shape)
+    gen = seq.generator
+    record: dict[str, Any] = {
+        "version": VERSION,
+        "model": model_geometry(engine),
+        "request_id": seq.request_id,
+        "prompt": seq.prompt,
+        "prompt_ids": seq.prompt_ids,
+        "output_ids": seq.output_ids,
+        "params": seq.params.model_dump(),
+        "priority": seq.priority,
+        "rng_state": gen.get_state().numpy().tobytes() if gen is not None else None,
+        "text": seq.text,
+        "emitted": seq.emitted,
+        "logprobs": seq.logprobs,
+        "top_logprobs": seq.top_logprobs,
+        "num_cached_prompt": seq.num_cached_prompt,
+        "num_evictions": seq.num_evictions,
+        "computed_tokens": parked.num_tokens if parked is not None else 0,
+        "kv": {"tokens": kv_tokens, "block_size": engine.kv.block_size,
+               "dtype": str(engine.runner.dtype).removeprefix("torch."), "shape": shape,
+               "data": kv_bytes},
+    }
+    out = msgpack.packb(record, use_bin_type=True)
+    engine.seqs.pop(request_id, None)
+    sched.remove(seq)  # after serializing: its host blocks may be reused from here on
+    return out
+
+
+def import_stream(engine: LLMEngine, data: bytes, request_id: str | None = None) -> str:
+    """Queue a snapshot's stream as parked in `engine`; it resumes where it stopped."""
+    try:
+        r = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(r, dict) or r.get("version") != VERSION:
+            raise ValueError(f"not a version-{VERSION} stream snapshot")
+    except Exception as e:
+        raise InvalidRequestError(f"bad stream snapshot: {e}") from e
+    if r["model"] != model_geometry(engine):
+        raise InvalidRequestError(
+            f"snapshot is for a model with {r['model']}, this engine runs {model_geometry(engine)}")
+    rid = request_id or r["request_id"]
+    params = SamplingParams(**r["params"])
+    seq = engine.make_sequence(r["prompt_ids"], params, rid, r["priority"])
+    _restore_sequence(seq, r)
+    kv = r["kv"]
+    parked = ParkedKV(r["computed_tokens"], block_size=engine.kv.block_size)
+    host = engine.kv.host
+    if host is not None and kv["tokens"] and kv["block_size"] == engine.kv.block_size:
+        src = _DTYPES[kv["dtype"]]
+        t = torch.frombuffer(bytearray(kv["data"]), dtype=torch.uint8).view(src).view(kv["shape"])
+        n = kv["tokens"]
+        hashes = hash_full_blocks(seq.all_ids[:n], engine.kv.block_size)
+        parked = host.adopt(t.to(host.kv.dtype), hashes, n)
+        parked.num_tokens = r["computed_tokens"]
+    seq.parked_kv = parked
+    seq.status = Status.WAITING
+    try:
+        engine.add_sequence(seq)
+    except Exception:
+        if host is not None:
+            host.release(parked)
+        raise
+    # add_sequence queued it as new; it belongs with the parked streams
+    engine.scheduler.waiting.remove(seq)
+    engine.scheduler.parked.append(seq)
+    return rid
+
+
+def _restore_sequence(seq: Sequence, r: dict[str, Any]) -> None:
+    seq.prompt = r["prompt"]
+    seq.output_ids = list(r["output_ids"])
+    if seq.output_ids:
+        seq.detok.step(seq.output_ids)  # bring the detokenizer's window to the same place
+    seq.text = r["text"]
+    seq.emitted = r["emitted"]
+    seq.logprobs = r["logprobs"]
+    seq.top_logprobs = [[tuple(x) for x in row] for row in r["top_logprobs"]] \
+        if r["top_logprobs"] is not None else None
+    seq.num_cached_prompt = r["num_cached_prompt"]
+    seq.num_evictions = r["num_evictions"]
+    if r["rng_state"] is not None and seq.generator is not None:
+        state = torch.frombuffer(bytearray(r["rng_state"]), dtype=torch.uint8)
+        seq.generator.set_state(state)

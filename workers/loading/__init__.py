@@ -1,0 +1,2 @@
+"""Loading a model: GGUF and HF weights, model config, quant formats, tokenizer, chat template,
+detokenizer. Imports only the kvserve core."""

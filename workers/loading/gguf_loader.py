@@ -1,0 +1,422 @@
+"""GGUF (llama.cpp) loader: metadata -> ModelConfig, tensors -> dequantized HF-named weights."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from kvserve.errors import ModelLoadError
+from kvserve.workers.loading.loader import (
+    LoadedModel,
+    check_weight_shapes,
+    expected_weight_shapes,
+    warn_unused,
+)
+from kvserve.workers.loading.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
+
+# GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
+# models as "llama"; both use the same (permuted) Q/K layout.
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# llama.cpp's converter interleaves the rotary halves of Q and K for these.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_ROPE_FREQS = "rope_freqs.weight"
+_INTEGER_TYPES = {
+    GGMLQuantizationType.I8,
+    GGMLQuantizationType.I16,
+    GGMLQuantizationType.I32,
+    GGMLQuantizationType.I64,
+}
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that reports truncated tensor data by name.
+
+    Stock GGUFReader slices the memory map without bounds checks, so a truncated
+    file fails later with an opaque numpy reshape error (or, for zero-sized
+    slices, not at all).
+    """
+
+    def __init__(self, path: str) -> None:
+        self._display_path = path
+        super().__init__(path)
+
+    # GGUFReader slices `data` once per metadata item (~250k times for a 49k-token
+    # vocabulary); slices of an np.memmap run a costly __array_finalize__ each time,
+    # slices of a plain ndarray view of the same mapping do not (~3x faster to open).
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapped
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._mapped = value.view(np.ndarray)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        file_size = len(self.data)
+        for field in fields:
+            # Tensor-info layout: name length, name, n_dims, dims, type, data offset.
+            if len(field.parts) != 6:  # a gguf release with another layout: skip the check
+                break
+            _, name_data, _, dims, raw_type, rel_offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+            except ValueError as e:
+                raise ModelLoadError(
+                    f"{self._display_path}: tensor {name} has unknown GGML type id "
+                    f"{int(raw_type[0])}; the file is corrupt or newer than the gguf package"
+                ) from e
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n_elements = math.prod(int(d) for d in dims)
+            end = int(start_offs) + int(rel_offset[0]) + n_elements // block_size * type_size
+            if end > file_size:
+                raise ModelLoadError(
+                    f"{self._display_path}: truncated: tensor {name} needs bytes up to {end} "
+                    f"but the file has {file_size}"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    reader = _open(path)
+    arch = _field(reader, path, "general.architecture", str)
+    if arch not in _ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (general.architecture); "
+            f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config_from_metadata(reader, path, arch, tensors)
+
+    hf_to_gguf = _hf_to_gguf_names(config)
+    expected = expected_weight_shapes(config)
+    found = {hf: _torch_shape(tensors[g]) for hf, g in hf_to_gguf.items() if g in tensors}
+    check_weight_shapes(found, expected, path, names=hf_to_gguf)
+    used = set(hf_to_gguf.values()) | {_ROPE_FREQS}
+    warn_unused([n for n in tensors if n not in used], path)
+
+    permute = arch in _PERMUTED_QK
+    weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
+    # Tensor by tensor from the memory map: at most one float32 intermediate is alive
+    # beside the converted result.
+    for hf_name in expected:
+        tensor = tensors[hf_to_gguf[hf_name]]
+        array = _dequantize(tensor, path)
+        n_heads = 0
+        if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            n_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+            array = _unpermute_qk(array, n_heads)
+        weights[hf_name] = torch.from_numpy(array).to(dtype)
+        # Only float32 runs (the CPU) use the raw-block kernel; keep the blocks for them.
+        if dtype == torch.float32 and array.ndim == 2 and tensor.tensor_type.name in QTYPES:
+            raw = np.array(tensor.data, dtype=np.uint8)  # a copy: [rows, row bytes]
+            if n_heads:  # rows are independent, so the same row permutation applies
+                raw = np.ascontiguousarray(_unpermute_qk(raw, n_heads))
+            rows, cols = array.shape
+            quantized[hf_name] = QuantizedWeight(
+                tensor.tensor_type.name, torch.from_numpy(raw), (rows, cols)
+            )
+    return LoadedModel(config=config, weights=weights, path=path, quantized=quantized)
+
+
+def _open(path: str) -> GGUFReader:
+    try:
+        return _CheckedReader(path)
+    except ModelLoadError:
+        raise
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read file: {e}") from e
+    except Exception as e:
+        # GGUFReader reports malformed headers with assorted exception types
+        # (ValueError, IndexError, KeyError, UnicodeDecodeError, ...).
+        raise ModelLoadError(
+            f"{path}: not a valid GGUF file (corrupt or truncated header: {type(e).__name__}: {e})"
+        ) from e
+
+
+_MISSING: Any = object()
+
+
+def _field(reader: GGUFReader, path: str, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """A metadata value converted to `kind`; list values are returned as lists of `kind`."""
+    field = reader.get_field(key)
+    if field is None:
+        if default is _MISSING:
+            raise ModelLoadError(f"{path}: missing required metadata key {key}")
+        return default
+    try:
+        value = field.contents()
+        if isinstance(value, list):
+            return [kind(v) for v in value]
+        if kind in (int, float) and isinstance(value, (str, bytes)):
+            raise TypeError(f"expected a number, got {value!r}")
+        return kind(value)
+    except (TypeError, ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: metadata key {key} has an invalid value: {e}") from e
+
+
+def _uniform(value: Any, path: str, key: str) -> Any:
+    # Some GGUFs store per-layer arrays (e.g. head_count_kv); kvserve needs one value.
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise ModelLoadError(f"{path}: per-layer values for {key} are not supported")
+        return value[0]
+    return value
+
+
+def _config_from_metadata(
+    reader: GGUFReader, path: str, arch: str, tensors: dict[str, Any]
+) -> ModelConfig:
+    def meta(suffix: str, kind: type, default: Any = _MISSING) -> Any:
+        key = f"{arch}.{suffix}"
+        return _uniform(_field(reader, path, key, kind, default), path, key)
+
+    hidden = meta("embedding_length", int)
+    num_heads = meta("attention.head_count", int)
+    num_kv_heads = meta("attention.head_count_kv", int, num_heads)
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ModelLoadError(
+            f"{path}: invalid head counts: {num_heads} query heads, {num_kv_heads} KV heads"
+        )
+    default_head_dim = hidden // num_heads if hidden % num_heads == 0 else _MISSING
+    head_dim = meta("attention.key_length", int, default_head_dim)
+    value_dim = meta("attention.value_length", int, head_dim)
+    rope_dim = meta("rope.dimension_count", int, head_dim)
+    if value_dim != head_dim or rope_dim != head_dim or head_dim % 2:
+        raise ModelLoadError(
+            f"{path}: unsupported attention layout (key length {head_dim}, value length "
+            f"{value_dim}, rotary dimensions {rope_dim}); kvserve needs them equal and even"
+        )
+
+    vocab_size = meta("vocab_size", int, None)
+    if vocab_size is None:
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        if tokens is not None:
+            vocab_size = len(tokens.data)
+        elif "token_embd.weight" in tensors:
+            vocab_size = _torch_shape(tensors["token_embd.weight"])[0]
+        else:
+            raise ModelLoadError(f"{path}: cannot determine the vocabulary size")
+
+    context_length = meta("context_length", int, 2048)
+    rope_theta = meta("rope.freq_base", float, 10000.0)
+    attention_bias = arch == "qwen2"
+    if not attention_bias and any(n.endswith((".attn_q.bias", ".attn_k.bias")) for n in tensors):
+        raise ModelLoadError(f"{path}: attention biases are not supported for {arch} models")
+
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = _field(reader, path, f"tokenizer.ggml.{key}", int, None)
+        if token is not None and token not in eos:
+            eos.append(token)
+
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length", int),
+        num_layers=meta("block_count", int),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", float, 1e-5),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(reader, path, arch, tensors, head_dim, rope_theta),
+        max_position_embeddings=context_length,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=attention_bias,
+        bos_token_id=_field(reader, path, "tokenizer.ggml.bos_token_id", int, None),
+        eos_token_ids=eos,
+        name=_field(reader, path, "general.name", str, None)
+        or os.path.splitext(os.path.basename(path))[0],
+    )
+
+
+def _rope_scaling(
+    reader: GGUFReader,
+    path: str,
+    arch: str,
+    tensors: dict[str, Any],
+    head_dim: int,
+    rope_theta: float,
+) -> dict[str, Any] | None:
+    """HF-style rope_scaling from GGUF metadata, or from a llama3 rope_freqs tensor."""
+
+    def meta(suffix: str, kind: type, default: Any = None) -> Any:
+        return _field(reader, path, f"{arch}.{suffix}", kind, default)
+
+    if _ROPE_FREQS in tensors:
+        factors = _dequantize(tensors[_ROPE_FREQS], path).reshape(-1).astype(np.float64)
+        if factors.size != head_dim // 2:
+            raise ModelLoadError(
+                f"{path}: {_ROPE_FREQS} has {factors.size} values, expected {head_dim // 2}"
+            )
+        return _llama3_from_rope_freqs(factors, head_dim, rope_theta, path)
+
+    kind = meta("rope.scaling.type", str)
+    factor = meta("rope.scaling.factor", float)
+    if kind is None and meta("rope.scale_linear", float) is not None:
+        # Older GGUFs stored linear scaling under a key of its own.
+        kind, factor = "linear", meta("rope.scale_linear", float)
+    if kind in (None, "none"):
+        return None
+    if factor is None:
+        raise ModelLoadError(f"{path}: rope scaling type {kind!r} without a scaling factor")
+    if kind == "linear":
+        # llama.cpp writes factor 1 (or 0) for "no scaling"
+        return None if factor in (0.0, 1.0) else {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
+        original = meta("rope.scaling.original_context_length", int)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        for suffix, hf_key in (
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ("rope.scaling.attn_factor", "attention_factor"),
+        ):
+            value = meta(suffix, float)
+            if value is not None:
+                scaling[hf_key] = value
+        return scaling
+    raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r}")
+
+
+def _llama3_factors(
+    wavelengths: np.ndarray, factor: float, low: float, high: float, original: float
+) -> np.ndarray:
+    """Per-dimension divisors of the RoPE frequencies under Llama 3 scaling."""
+    smooth = (original / wavelengths - low) / (high - low)
+    mid = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return np.where(
+        wavelengths < original / high, 1.0, np.where(wavelengths > original / low, factor, mid)
+    )
+
+
+def _llama3_from_rope_freqs(
+    factors: np.ndarray, head_dim: int, rope_theta: float, path: str
+) -> dict[str, Any] | None:
+    """Recover HF llama3 rope_scaling parameters from llama.cpp's precomputed factors.
+
+    The factors depend only on `factor` and the two boundary wavelengths
+    original/low and original/high, so fixing low_freq_factor = 1 (as every Llama 3
+    release does) makes the solution unique. The candidate is accepted only if it
+    reproduces the stored factors.
+    """
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0, rtol=1e-6):
+        return None
+    wavelengths = 2 * math.pi * rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
+    is_high = np.isclose(factors, 1.0, rtol=1e-5)
+    is_low = np.isclose(factors, factor, rtol=1e-5)
+    mid = ~(is_high | is_low)
+
+    candidates: list[tuple[float, float, float]] = [(1.0, 4.0, 8192.0)]  # Llama 3.x values
+    if mid.sum() >= 2:
+        # In the smooth band s = original/(d*wavelength) - low/d with d = high - low,
+        # linear in 1/wavelength; with low = 1 the fit gives d and original directly.
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelengths[mid], smooth, 1)
+        if intercept < 0:
+            d = -1 / intercept
+            candidates.insert(0, (1.0, 1.0 + d, slope * d))
+    elif mid.sum() == 0 and is_high.any() and is_low.any():
+        # A sharp cut: put both boundaries in the gap between the two classes.
+        original = math.sqrt(wavelengths[is_high].max() * wavelengths[is_low].min())
+        high = original / math.sqrt(wavelengths[is_high].max() * original)
+        candidates.append((1.0, high, original))
+
+    for low, high, original in candidates:
+        # Prefer round numbers when they fit just as well (configs state integers).
+        for o, h in ((round(original), round(high, 4)), (original, high)):
+            if h <= low:
+                continue
+            if np.allclose(_llama3_factors(wavelengths, factor, low, h, o), factors, rtol=1e-3):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": float(h),
+                    "original_max_position_embeddings": int(round(o)),
+                }
+    raise ModelLoadError(
+        f"{path}: {_ROPE_FREQS} holds per-dimension RoPE factors that do not match Llama 3 "
+        "rope scaling; this rope variant is not supported"
+    )
+
+
+def _hf_to_gguf_names(config: ModelConfig) -> dict[str, str]:
+    names = {hf: g for g, hf in _GLOBAL_TENSORS.items()}
+    for i in range(config.num_layers):
+        for g, hf in _LAYER_TENSORS.items():
+            names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{g}"
+    return names
+
+
+def _torch_shape(tensor: Any) -> tuple[int, ...]:
+    # GGUF lists dimensions fastest-varying first; torch wants the reverse.
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _dequantize(tensor: Any, path: str) -> np.ndarray:
+    """A float32 array in torch shape, never a view into the memory map."""
+    qtype = tensor.tensor_type
+    if qtype in _INTEGER_TYPES:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} has integer type {qtype.name}")
+    try:
+        if qtype == GGMLQuantizationType.F32:
+            array = np.array(tensor.data, dtype=np.float32)
+        else:
+            array = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} uses {qtype.name} quantization, which the "
+            "installed gguf package cannot dequantize"
+        ) from e
+    return array.reshape(_torch_shape(tensor))
+
+
+def _unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ... whereas HF's
+    rotate_half pairs x[i] with x[i + head_dim/2]; the converter reorders each
+    head's rows from [first half, second half] to interleaved. Reverse it.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    return (
+        weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )

@@ -1,0 +1,132 @@
+"""Model weight loading: one entry point for GGUF files and Hugging Face directories.
+
+Both loaders return weights under Hugging Face Llama names with HF shapes
+(out_features, in_features), so the model code never sees the file format.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.workers.loading.model_config import ModelConfig
+from kvserve.workers.loading.quant_format import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+EXPECTED_INPUT = "a .gguf file or a Hugging Face model directory containing config.json"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    # HF Llama names -> tensors in the requested dtype; "lm_head.weight" absent when tied
+    weights: dict[str, torch.Tensor]
+    path: str
+    # Raw ggml blocks of 2-D weights in a type the CPU kernel reads (GGUF float32
+    # loads only), by the same HF names and row order as `weights`.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a GGUF file or an HF model directory; every failure is a ModelLoadError."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+    path = os.path.expanduser(os.fspath(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"{path}: directory has no config.json; expected {EXPECTED_INPUT}")
+        from kvserve.workers.loading.hf_loader import load_hf_dir
+
+        return load_hf_dir(path, dtype)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory; expected {EXPECTED_INPUT}")
+    if path.lower().endswith(".gguf") or _has_gguf_magic(path):
+        from kvserve.workers.loading.gguf_loader import load_gguf
+
+        return load_gguf(path, dtype)
+    raise ModelLoadError(
+        f"{path}: not a GGUF file (no .gguf suffix, no GGUF magic bytes); expected {EXPECTED_INPUT}"
+    )
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read file: {e}") from e
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by HF name, with its HF (out, in) shape."""
+    h = config.hidden_size
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    ffn = config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
+        shapes[p + "mlp.up_proj.weight"] = (ffn, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, ffn)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    return shapes
+
+
+def check_weight_shapes(
+    found: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """Raise ModelLoadError for missing tensors or wrong shapes, before any data is read.
+
+    `names` maps HF names to the names used in the file, so messages quote what the
+    user can find in the file (e.g. GGUF "blk.3.attn_q.weight").
+    """
+
+    def shown(hf_name: str) -> str:
+        return names.get(hf_name, hf_name) if names else hf_name
+
+    missing = [shown(n) for n in expected if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(
+            f"{source}: missing tensors {', '.join(missing[:5])}{more}; "
+            "the file does not match its own configuration or is incomplete"
+        )
+    for name, shape in expected.items():
+        got = tuple(found[name])
+        if got != tuple(shape):
+            raise ModelLoadError(
+                f"{source}: tensor {shown(name)} has shape {list(got)} but the configuration "
+                f"implies {list(shape)}"
+            )
+
+
+def warn_unused(names: list[str], source: str) -> None:
+    """Tensors in the file that the model does not use: harmless, but worth a log line."""
+    if names:
+        more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+        logger.warning("%s: ignoring unused tensors %s%s", source, ", ".join(names[:5]), more)

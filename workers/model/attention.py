@@ -1,0 +1,77 @@
+"""Attention over per-stream paged KV: the step metadata and backend selection.
+
+A step packs every stream's new tokens into one [T, ...] batch with no padding.
+Each stream's queries attend only to that stream's own blocks, so the work per
+stream follows its own length, never the longest stream's or the pool's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvserve.kvcache.device_cache import DeviceKVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]  # new tokens per stream in this step
+    context_lens: list[int]  # tokens already in the cache before the step
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
+    block_size: int
+    prepared: Any = field(default=None)  # backend-specific, built once per step
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        """Build per-step index data once; every layer reuses it."""
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        cache: DeviceKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Write the new K/V into the streams' blocks, then attend."""
+
+
+def select_backend(
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
+    """'torch' always works; 'flash' needs CUDA and vllm-flash-attn; 'auto' prefers flash."""
+    from kvserve.workers.model.attention_torch import TorchAttention
+
+    # the C decode kernel covers float32 on the CPU; everything else stays in torch
+    use_kernel = device.type == "cpu" and dtype == torch.float32
+    if name == "torch":
+        return TorchAttention(use_kernel)
+    want_flash = name == "flash" or (name == "auto" and device.type == "cuda")
+    if want_flash:
+        try:
+            from kvserve.workers.model.attention_flash import FlashAttention
+
+            return FlashAttention(device, block_size)
+        except (ImportError, RuntimeError, ValueError) as e:
+            if name == "flash":
+                raise RuntimeError(f"attention backend 'flash' unavailable: {e}") from e
+            log.info("vllm-flash-attn not usable (%s); using torch attention", e)
+    return TorchAttention(use_kernel)
