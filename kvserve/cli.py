@@ -1,4 +1,4 @@
-"""The `kvserve` command line: generate, chat (and, in later issues, serve and bench)."""
+"""The `kvserve` command line: generate, chat, serve and bench (Ray loads only to serve)."""
 
 from __future__ import annotations
 
