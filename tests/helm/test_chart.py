@@ -607,3 +607,23 @@ def test_dashboard_metric_names_parser(tmp_path):
     path.write_text(__import__("json").dumps(dash))
     assert dashboard_metric_names(path) == {"v_gauge", "w_seconds", "x_seconds", "y_bytes",
                                             "z_total"}
+
+
+def test_readme_documents_every_value():
+    def leaves(d: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for k, v in d.items():
+            p = f"{prefix}.{k}" if prefix else k
+            whole = ("serve.engine", "podSecurityContext", "securityContext")
+            if isinstance(v, dict) and v and p not in whole and not p.endswith(".resources"):
+                out += leaves(v, p)
+            else:
+                out.append(p)
+        return out
+
+    readme = (CHART / "README.md").read_text()
+    with helm.Chart.load(CHART) as chart:
+        missing = [p for p in leaves(chart.values) if f"| `{p}` |" not in readme]
+    assert not missing
+    assert "docker build -f deploy/Dockerfile" in readme and "docker push" in readme
+    assert "helm install kvserve helm/kvserve" in readme
