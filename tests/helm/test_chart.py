@@ -478,6 +478,8 @@ def test_schema_rejects(values, message):
     ({"model": {"path": "m.gguf"}}, "model.path is relative to the model volume"),
     ({"model": {"volume": {"hostPath": "/a", "persistentVolumeClaim": "b"}}}, "not both"),
     ({"workerGroup": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must not exceed"),
+    ({"serve": {"numWorkers": 3, "numGpusPerWorker": 1}, "workerGroup": {"gpus": 1, "maxReplicas": 2}},
+     "= 3 GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = 2"),
 ])
 def test_inconsistent_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):

@@ -89,6 +89,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (gt (float64 .Values.serve.numGpusPerWorker) 0.0) (eq (int .Values.workerGroup.gpus) 0) }}
 {{- fail "serve.numGpusPerWorker > 0 needs GPU worker pods: set workerGroup.gpus (and a -gpu image tag)" }}
 {{- end }}
+{{- $need := mulf (float64 .Values.serve.numWorkers) (float64 .Values.serve.numGpusPerWorker) }}
+{{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
+{{- if gt $need $have }}
+{{- fail (printf "serve.numWorkers x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
+{{- end }}
 {{- if gt (int .Values.workerGroup.minReplicas) (int .Values.workerGroup.maxReplicas) }}
 {{- fail "workerGroup.minReplicas must not exceed workerGroup.maxReplicas" }}
 {{- end }}
