@@ -478,6 +478,23 @@ def test_inconsistent_values_fail_the_render(values, message):
         render(values)
 
 
+def test_engine_schema_follows_engine_config():
+    """serve.engine's schema lists EngineConfig's fields (but model), so a typo fails at
+    `helm install`, not when the application starts; a new EngineConfig field fails here."""
+    from kvserve.config import EngineConfig
+
+    with helm.Chart.load(CHART) as chart:
+        engine = chart.schema["properties"]["serve"]["properties"]["engine"]
+    assert engine["additionalProperties"] is False
+    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"model"}
+    defaults = EngineConfig().model_dump(exclude={"model"}, exclude_none=True)
+    jsonschema.Draft7Validator(engine).validate(defaults)
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'kv_cache_token'"):
+        render({"serve": {"engine": {"kv_cache_token": 4096}}})
+    with pytest.raises(helm.HelmValuesError, match="/serve/engine/dtype"):
+        render({"serve": {"engine": {"dtype": "fp8"}}})
+
+
 def test_values_yaml_comments_every_value():
     lines = (CHART / "values.yaml").read_text().splitlines()
     uncommented = []
