@@ -316,7 +316,8 @@ def test_kv_and_queue_gauges_are_back_to_zero(run):
               "kv_host_blocks_used", "streams_running", "streams_parked"):
         values = run.now(f"{P}{g}")
         assert len(values) >= 2 and not any(values), (g, values)
-    assert run.now(f"{P}kv_device_blocks_total") == [256.0, 256.0]  # 4096 tokens / 16
+    totals = run.now(f"{P}kv_device_blocks_total")
+    assert len(totals) >= 2 and set(totals) == {256.0}, totals  # 4096 tokens / 16
     assert all(v > 0 for v in run.now(f"{P}kv_host_blocks_total"))
 
 
