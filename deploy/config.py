@@ -76,7 +76,7 @@ class ServeConfig(BaseModel):
             num_gpus_per_worker=self.num_gpus_per_worker,
             stream_interval_ms=self.stream_interval_ms, routing_policy=self.routing_policy,
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
-            load_poll_interval_s=self.load_poll_interval_s,
+            load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
         )
 
     def engine_config(self) -> EngineConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvserve.deploy import metrics
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
 from kvserve.deploy.service import GenRequest, Service
@@ -65,6 +66,7 @@ def _check_model(svc: Service, request: Any) -> None:
 
 
 def _fail(ctx: Any, e: ServiceError) -> ServiceError:
+    metrics.rejected(e)
     ctx.set_code(e.grpc_code)
     ctx.set_details(e.message)
     return e

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from kvserve.deploy import auth
+from kvserve.deploy import auth, metrics
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
@@ -24,11 +24,13 @@ app = FastAPI(title="kvserve", description="OpenAI-compatible API of kvserve")
 @app.exception_handler(RequestValidationError)
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     # OpenAI clients expect 400 (not FastAPI's 422) for a malformed body, bad JSON included
+    metrics.rejected(ServiceError("invalid", ""))
     return oa.validation_error_response(exc)
 
 
 @app.exception_handler(ServiceError)
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    metrics.rejected(exc)
     return oa.error_response(exc)
 
 
@@ -38,6 +40,7 @@ async def _auth(request: Request, call_next: Any) -> Any:
     if request.url.path.startswith("/v1/"):
         err = auth.http_auth_error(request.headers)
         if err is not None:
+            metrics.rejected(err)
             return oa.error_response(err)
     return await call_next(request)
 
@@ -49,6 +52,7 @@ class KVServeIngress(GrpcFrontend):
     async def __init__(self, config: dict[str, Any]) -> None:
         self.service = Service(ServeConfig(**config))
         auth.set_keys(self.service.api_keys)
+        metrics.start(self.service.model_name)
         await self.service.start()
 
     # ---- HTTP -----------------------------------------------------------------------------

@@ -31,6 +31,8 @@ class RequestOutput:
     # what this step added, for streaming: new tokens and the text safe to show
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
+    # seconds from arrival in the engine to the first scheduled step; None until scheduled
+    queue_s: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ class RouterConfig:
     max_imbalance: int = 4
     max_inflight_per_worker: int = 256
     load_poll_interval_s: float = 1.0
+    model_name: str = ""  # the served name (metrics tag); "" = the model file's stem
 
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""

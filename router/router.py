@@ -16,6 +16,7 @@ from typing import Any
 
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
+from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.workers.worker_actor import create_worker
 
@@ -36,7 +37,8 @@ class RouterActor:
         self.handles = [
             create_worker(f"worker-{i}", engine, self.cfg.num_cpus_per_worker,
                           self.cfg.num_gpus_per_worker,
-                          stream_interval_ms=self.cfg.stream_interval_ms)
+                          stream_interval_ms=self.cfg.stream_interval_ms,
+                          model_name=self.cfg.model_name)
             for i in range(self.cfg.num_workers)
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
@@ -45,6 +47,7 @@ class RouterActor:
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
         self._info: dict[str, Any] | None = None
+        self.metrics = RouterMetrics(self.policy.name)
 
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
@@ -82,6 +85,7 @@ class RouterActor:
         sw = self.sessions.get(session_id) if session_id else None
         d = self.policy.choose(room, RouteRequest(block_hashes, sw))
         v = self.views[d.idx]
+        self.metrics.picked(d, v, block_hashes, retry=bool(exclude))
         v.inflight += 1
         expiry = time.monotonic() + PENDING_TTL_S
         for h in block_hashes:
@@ -104,6 +108,7 @@ class RouterActor:
         if v.alive:
             log.warning("worker %s reported dead; waiting for its restart", v.worker_id)
         v.alive = False
+        self.metrics.workers_alive(self.views)
 
     # ---- polling ----------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
@@ -130,6 +135,7 @@ class RouterActor:
             self._update(v, load)
 
         await asyncio.gather(*(one(v) for v in self.views))
+        self.metrics.workers_alive(self.views)
 
     def _update(self, v: WorkerView, load: dict[str, Any]) -> None:
         if load["incarnation"] != v.incarnation:

@@ -29,6 +29,7 @@ class ServeApp:
     router: Any
     config: Any
     metadata: tuple[tuple[str, str], ...] = field(default=())
+    metrics_port: int = 0  # Ray's Prometheus endpoint: http://127.0.0.1:<port>/metrics
 
     @property
     def grpc_target(self) -> str:
@@ -65,14 +66,19 @@ def serve_app() -> Iterator[ServeApp]:
 
     cfg = ServeConfig(num_workers=2, num_cpus_per_worker=1, engine=ENGINE, api_keys=[API_KEY],
                       grpc_port=free_port(), http_port=free_port(), max_imbalance=2)
+    # metrics reported every second (Ray's default: 10 s), so tests/deploy/test_metrics.py
+    # sees its requests' counts soon
+    metrics_port = free_port()
+    ray_init = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False,
+                "_metrics_export_port": metrics_port,
+                "_system_config": {"metrics_report_interval_ms": 1000}}
     # a loaded 2-core machine can take minutes to bring Serve's proxies up: wait up to 15 min
-    deploy(cfg, ray_init={"num_cpus": 4, "include_dashboard": False, "log_to_driver": False},
-           start_timeout_s=900)
+    deploy(cfg, ray_init=ray_init, start_timeout_s=900)
     import ray
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     app = ServeApp(cfg.grpc_port, cfg.http_port, API_KEY, router, cfg,
-                   metadata=(("authorization", f"Bearer {API_KEY}"),))
+                   metadata=(("authorization", f"Bearer {API_KEY}"),), metrics_port=metrics_port)
     try:
         yield app
     finally:

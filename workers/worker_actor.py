@@ -26,6 +26,7 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
 from kvserve.workers.stream_pacing import StreamPacing
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class WorkerActor:
 
     def __init__(
         self, worker_id: str, engine_config: dict[str, Any],
-        stream_interval_ms: float | None = None, on_gpu: bool = False,
+        stream_interval_ms: float | None = None, on_gpu: bool = False, model_name: str = "",
     ) -> None:
         self.worker_id = worker_id
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
@@ -95,6 +96,8 @@ class WorkerActor:
         self.started_at = time.time()
         self.config = EngineConfig(**engine_config)
         self.engine = AsyncLLMEngine(self.config)
+        self.metrics = WorkerMetrics(model_name or model_stem(self.engine.engine.model_path),
+                                     worker_id)
         self._requests: dict[str, _Request] = {}
         self._gauges: dict[str, Any] = {}
         self._metrics_task: asyncio.Task | None = None
@@ -107,19 +110,23 @@ class WorkerActor:
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream chunks {token_ids, text, finish_reason, usage, worker_id} or one {error}."""
         self._ensure_metrics()
+        track = self.metrics.request()
         try:
             sp = SamplingParams(**params)
         except ValueError as e:
+            track.finish("error")
             yield {"error": "invalid", "message": str(e), "worker_id": self.worker_id}
             return
         if request_id in self._requests:
+            track.finish("error")
             yield {"error": "invalid", "message": f"request id {request_id!r} is in use",
                    "worker_id": self.worker_id}
             return
         req = _Request()
         self._requests[request_id] = req
         # the engine validates and tokenizes on the first step of this generator (in the pump)
-        req.task = asyncio.create_task(self._pump(self.engine.generate(prompt, sp, request_id), req))
+        gen = self.engine.generate(prompt, sp, request_id)
+        req.task = asyncio.create_task(self._pump(gen, req, track))
         sent_at: float | None = None  # when this stream's previous chunk went out
         try:
             while True:
@@ -129,6 +136,8 @@ class WorkerActor:
                     await self._hold(req, sent_at)
                 if req.outs:
                     chunk = req.take_chunk(self.worker_id)
+                    if chunk["finish_reason"] is not None:
+                        track.finish(chunk["finish_reason"])
                     yield chunk
                     sent_at = time.monotonic()
                     if chunk["finish_reason"] is not None:
@@ -137,6 +146,7 @@ class WorkerActor:
                 if req.error is not None:
                     bad = isinstance(req.error, InvalidRequestError | OutOfKVCacheError)
                     kind = "invalid" if bad else "internal"
+                    track.finish("error")
                     yield {"error": kind, "message": str(req.error), "worker_id": self.worker_id}
                     return
                 if req.done and not req.outs:
@@ -145,6 +155,7 @@ class WorkerActor:
             # consumer gone (cancelled/closed) or finished: stop the pump, which aborts the
             # request in the engine and frees its KV if it was still running
             self._requests.pop(request_id, None)
+            track.finish("abort")  # consumer gone before the end (no-op if it ended)
             if not req.task.done():
                 req.task.cancel()
 
@@ -161,9 +172,12 @@ class WorkerActor:
             except TimeoutError:
                 return
 
-    async def _pump(self, gen: AsyncIterator[RequestOutput], req: _Request) -> None:
+    async def _pump(
+        self, gen: AsyncIterator[RequestOutput], req: _Request, track: RequestTracker
+    ) -> None:
         try:
             async for out in gen:
+                track.output(out)
                 req.outs.append(out)
                 req.event.set()
         except asyncio.CancelledError:
@@ -234,7 +248,9 @@ class WorkerActor:
 
         while True:
             try:
-                for key, value in self.engine.stats().items():
+                stats = self.engine.stats()
+                self.metrics.poll(stats, len(self._requests))
+                for key, value in stats.items():
                     if isinstance(value, bool) or not isinstance(value, int | float):
                         continue
                     g = self._gauges.get(key)
@@ -255,6 +271,7 @@ def create_worker(
     num_gpus: float = 0,
     name: str | None = None,
     stream_interval_ms: float | None = None,
+    model_name: str = "",
 ) -> Any:
     """Start a worker actor that Ray restarts (fresh engine) whenever it dies."""
     cls = ray.remote(WorkerActor)
@@ -265,4 +282,4 @@ def create_worker(
         max_restarts=-1,
         max_task_retries=0,  # a half-served stream must not be replayed behind the client
         max_concurrency=1000,
-    ).remote(worker_id, engine_config, stream_interval_ms, num_gpus > 0)
+    ).remote(worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name)

@@ -231,6 +231,11 @@ class LLMEngine:
             "host_prefix_hit_tokens": self.host_prefix_hit_tokens,
             "copy_bytes": host.copier.bytes_copied if host else 0,
             "copy_gbps": host.copier.gbps() if host else 0.0,
+            # host -> device copies: parked streams restored and host prefix hits
+            "restored_blocks": host.copier.blocks["in"] if host else 0,
+            "restored_bytes": host.copier.blocks["in"] * bpb if host else 0,
+            "copy_seconds_d2h": host.copier.seconds["out"] if host else 0.0,
+            "copy_seconds_h2d": host.copier.seconds["in"] if host else 0.0,
         }
 
     def held_block_hashes(self) -> dict[str, list[int]]:

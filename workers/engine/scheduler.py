@@ -21,6 +21,7 @@ prefix hits first, then host hits by copy, then recompute for the rest.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -148,6 +149,7 @@ class Scheduler:
             for s, p in zip(seqs, plan.streams, strict=True):
                 if p.is_new and s.num_evictions == 0:
                     s.num_cached_prompt = min(p.start, len(s.prompt_ids))
+                    s.scheduled_time = s.scheduled_time or time.monotonic()
             return plan, seqs
 
     def _pick(self, max_admit: int) -> tuple[list[StreamStep], list[Sequence], list[Sequence]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 import torch
 
@@ -43,6 +44,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_cached_prompt = 0
+        self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first step that computed this stream
         # set while the stream is evicted (parked) and until its first step back has run
         self.parked_kv: ParkedKV | None = None
         self.num_evictions = 0
@@ -139,4 +142,5 @@ class Sequence:
             usage=Usage(len(self.prompt_ids), self.num_cached_prompt, len(self.output_ids)),
             delta_token_ids=self.output_ids[len(self.output_ids) - delta_tokens :] if delta_tokens else [],
             delta_text=self.text_delta(),
+            queue_s=None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
         )

@@ -1,0 +1,175 @@
+"""A worker's Prometheus metrics, exported through `ray.util.metrics` (names in docs/serving.md).
+
+Per-request metrics (counts, latencies, tokens) are recorded by a `RequestTracker` as the
+request's outputs arrive; KV and queue gauges, and the engine's cumulative KV counters
+(evictions, restores, recomputed tokens, host-copy seconds), are exported from
+`LLMEngine.stats()` by `WorkerMetrics.poll`, which the worker calls once a second. Every
+series is tagged with the model and the worker id. Recording is local to the process
+(Ray's metrics agent collects it), so nothing here costs a Ray call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvserve.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+# Seconds, on a 1-2.5-5 ladder from 1 ms (a GPU decode step) to a minute (a long CPU answer).
+# Ray 2.60 exports a histogram's `_sum` from bucket midpoints, so a fine ladder also keeps
+# the mean (`_sum / _count`) close.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+E2E_BUCKETS = LATENCY_BUCKETS + (120.0, 300.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# engine stat key -> counter name (the stats are cumulative; their increments are exported)
+ENGINE_COUNTERS = {
+    "evictions": "kvserve_kv_evictions",
+    "restored_blocks": "kvserve_kv_restored_blocks",
+    "restored_bytes": "kvserve_kv_restored_bytes",
+    "tokens_recomputed": "kvserve_kv_recomputed_tokens",
+}
+COPY_SECONDS = {"d2h": "copy_seconds_d2h", "h2d": "copy_seconds_h2d"}
+# gauge name -> engine stat key
+ENGINE_GAUGES = {
+    "kvserve_requests_waiting": "waiting",
+    "kvserve_kv_device_blocks_used": "kv_blocks_used",
+    "kvserve_kv_device_blocks_total": "kv_blocks_total",
+    "kvserve_kv_host_blocks_used": "host_blocks_used",
+    "kvserve_kv_host_blocks_total": "host_blocks_total",
+    "kvserve_streams_running": "running",
+    "kvserve_streams_parked": "parked",
+}
+
+
+def model_stem(path: str | os.PathLike[str]) -> str:
+    """A model's name from its file or folder (as `ServeConfig.model_name` derives it)."""
+    name = os.path.basename(str(path).rstrip("/"))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def zero(counter: Any, tags: dict[str, str] | None = None) -> None:
+    """Export a counter series at 0 before its first event, as Prometheus clients do
+    (Ray's public `inc` refuses 0; its record path does not)."""
+    try:
+        counter._record(0, tags=tags)
+    except Exception:  # a Ray without that path: the series appears at its first event
+        log.debug("cannot pre-register %s at 0", counter, exc_info=True)
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, worker_id: str) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        keys = ("model", "worker")
+        tags = {"model": model, "worker": worker_id}
+
+        def counter(name: str, desc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Counter(name, desc, tag_keys=keys + extra).set_default_tags(tags)
+
+        def gauge(name: str, desc: str) -> Any:
+            return Gauge(name, desc, tag_keys=keys).set_default_tags(tags)
+
+        def histogram(name: str, desc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, desc, boundaries=list(buckets), tag_keys=keys).set_default_tags(tags)
+
+        self.received = counter("kvserve_requests_received", "requests that reached this worker")
+        self.finished = counter("kvserve_requests_finished",
+                                "requests ended, by reason (stop, length, abort, error)", ("reason",))
+        self.running = gauge("kvserve_requests_running",
+                             "requests in flight on this worker (queued, running or parked)")
+        self.ttft = histogram("kvserve_time_to_first_token_seconds",
+                              "arrival at the worker to the first generated token", LATENCY_BUCKETS)
+        self.tpot = histogram("kvserve_time_per_output_token_seconds",
+                              "mean time between output tokens after the first, per request",
+                              LATENCY_BUCKETS)
+        self.e2e = histogram("kvserve_e2e_request_latency_seconds",
+                             "arrival at the worker to the request's end", E2E_BUCKETS)
+        self.queue_wait = histogram("kvserve_queue_wait_seconds",
+                                    "arrival in the engine to its first scheduled step",
+                                    LATENCY_BUCKETS)
+        self.prompt_tokens = counter("kvserve_prompt_tokens", "prompt tokens of admitted requests")
+        self.generation_tokens = counter("kvserve_generation_tokens", "tokens generated")
+        self.prefix_hit_tokens = counter("kvserve_prefix_cache_hit_tokens",
+                                         "prompt tokens served from the prefix cache (device or host)")
+        self.gauges = {name: gauge(name, f"engine state {key!r}")
+                       for name, key in ENGINE_GAUGES.items()}
+        self.engine_counters = {key: counter(name, f"engine counter {key!r}")
+                                for key, name in ENGINE_COUNTERS.items()}
+        self.copy_seconds = counter("kvserve_kv_host_copy_seconds",
+                                    "seconds spent copying KV blocks to (d2h) and from (h2d) the "
+                                    "host tier", ("direction",))
+        for c in (self.received, self.prompt_tokens, self.generation_tokens,
+                  self.prefix_hit_tokens, *self.engine_counters.values()):
+            zero(c)
+        for r in FINISH_REASONS:
+            zero(self.finished, {"reason": r})
+        for d in COPY_SECONDS:
+            zero(self.copy_seconds, {"direction": d})
+        self._last: dict[str, float] = {}  # the engine's cumulative counters, as last exported
+
+    def request(self) -> RequestTracker:
+        """A request arrived: count it and follow it to its end."""
+        self.received.inc()
+        return RequestTracker(self)
+
+    def poll(self, stats: Mapping[str, Any], in_flight: int) -> None:
+        """Export the engine's state (gauges) and its counters' growth since the last poll."""
+        self.running.set(in_flight)
+        for name, key in ENGINE_GAUGES.items():
+            self.gauges[name].set(float(stats.get(key, 0)))
+        for key, c in self.engine_counters.items():
+            self._inc(c, key, stats)
+        for d, key in COPY_SECONDS.items():
+            self._inc(self.copy_seconds, key, stats, {"direction": d})
+
+    def _inc(self, c: Any, key: str, stats: Mapping[str, Any], tags: dict | None = None) -> None:
+        value = float(stats.get(key, 0))
+        grew = value - self._last.get(key, 0.0)
+        if grew > 0:
+            c.inc(grew, tags=tags)
+            self._last[key] = value
+
+
+class RequestTracker:
+    """One request's timings and tokens; `finish` records it once, whichever end it had."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.m = metrics
+        self.t0 = time.monotonic()
+        self.first: float | None = None  # when the first token arrived
+        self.last = 0.0
+        self.tokens = 0
+        self.done = False
+
+    def output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if self.first is None and out.usage.completion_tokens > 0:
+            self.first = now
+            m = self.m
+            m.ttft.observe(now - self.t0)
+            if out.queue_s is not None:
+                m.queue_wait.observe(out.queue_s)
+            if out.usage.prompt_tokens > 0:
+                m.prompt_tokens.inc(out.usage.prompt_tokens)
+            if out.usage.cached_tokens > 0:
+                m.prefix_hit_tokens.inc(out.usage.cached_tokens)
+        self.last = now
+        self.tokens = out.usage.completion_tokens
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.m
+        m.finished.inc(tags={"reason": reason if reason in FINISH_REASONS else "error"})
+        m.e2e.observe(time.monotonic() - self.t0)
+        if self.tokens > 0:
+            m.generation_tokens.inc(self.tokens)
+        if self.first is not None and self.tokens > 1 and reason in ("stop", "length"):
+            m.tpot.observe((self.last - self.first) / (self.tokens - 1))
