@@ -39,9 +39,9 @@ COPY_SECONDS = {"d2h": "copy_seconds_d2h", "h2d": "copy_seconds_h2d"}
 ENGINE_GAUGES = {
     "kvserve_requests_waiting": "waiting",
     "kvserve_kv_device_blocks_used": "kv_blocks_used",
-    "kvserve_kv_device_blocks_total": "kv_blocks_total",
+    "kvserve_kv_device_blocks_capacity": "kv_blocks_total",
     "kvserve_kv_host_blocks_used": "host_blocks_used",
-    "kvserve_kv_host_blocks_total": "host_blocks_total",
+    "kvserve_kv_host_blocks_capacity": "host_blocks_total",
     "kvserve_streams_running": "running",
     "kvserve_streams_parked": "parked",
 }

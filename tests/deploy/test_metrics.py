@@ -38,7 +38,7 @@ WORKER_COUNTERS = ["requests_received", "requests_finished", "prompt_tokens", "g
                    "prefix_cache_hit_tokens", "kv_evictions", "kv_restored_blocks",
                    "kv_restored_bytes", "kv_recomputed_tokens", "kv_host_copy_seconds"]
 WORKER_GAUGES = ["requests_running", "requests_waiting", "kv_device_blocks_used",
-                 "kv_device_blocks_total", "kv_host_blocks_used", "kv_host_blocks_total",
+                 "kv_device_blocks_capacity", "kv_host_blocks_used", "kv_host_blocks_capacity",
                  "streams_running", "streams_parked"]
 WORKER_HISTOGRAMS = ["time_to_first_token_seconds", "time_per_output_token_seconds",
                      "e2e_request_latency_seconds", "queue_wait_seconds"]
@@ -316,9 +316,9 @@ def test_kv_and_queue_gauges_are_back_to_zero(run):
               "kv_host_blocks_used", "streams_running", "streams_parked"):
         values = run.now(f"{P}{g}")
         assert len(values) >= 2 and not any(values), (g, values)
-    totals = run.now(f"{P}kv_device_blocks_total")
+    totals = run.now(f"{P}kv_device_blocks_capacity")
     assert len(totals) >= 2 and set(totals) == {256.0}, totals  # 4096 tokens / 16
-    assert all(v > 0 for v in run.now(f"{P}kv_host_blocks_total"))
+    assert all(v > 0 for v in run.now(f"{P}kv_host_blocks_capacity"))
 
 
 def test_router_metrics(run):
