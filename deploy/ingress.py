@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from kvserve.deploy import auth
+from kvserve.deploy import auth, limits
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
@@ -19,12 +19,18 @@ from kvserve.deploy.grpc_api import GrpcFrontend
 from kvserve.deploy.service import Service
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible API of kvserve")
+app.add_middleware(limits.BodyLimit)
 
 
 @app.exception_handler(RequestValidationError)
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     # OpenAI clients expect 400 (not FastAPI's 422) for a malformed body, bad JSON included
     return oa.validation_error_response(exc)
+
+
+@app.exception_handler(limits.BodyTooLarge)
+async def _too_large(request: Request, exc: limits.BodyTooLarge) -> JSONResponse:
+    return oa.error_response(limits.too_large(exc.limit))
 
 
 @app.exception_handler(ServiceError)
@@ -49,6 +55,7 @@ class KVServeIngress(GrpcFrontend):
     async def __init__(self, config: dict[str, Any]) -> None:
         self.service = Service(ServeConfig(**config))
         auth.set_keys(self.service.api_keys)
+        limits.set_max_request_bytes(self.service.cfg.max_request_bytes)
         await self.service.start()
 
     # ---- HTTP -----------------------------------------------------------------------------
