@@ -53,6 +53,10 @@ class ServeConfig(BaseModel):
         description="largest request body (HTTP 413) or gRPC request message "
                     "(RESOURCE_EXHAUSTED) accepted",
     )
+    unavailable_wait_s: float = Field(
+        60.0, ge=0, description="a request without a token yet waits this long for a restarting "
+                                "router or worker before UNAVAILABLE (503)",
+    )
     max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
     stream_interval_ms: float | None = Field(
         None, ge=0,

@@ -61,7 +61,10 @@ class KVServeIngress(GrpcFrontend):
     # ---- HTTP -----------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        info = await self.service.server_info()
+        try:
+            info = await self.service.server_info()
+        except ServiceError as e:  # the router is restarting
+            return JSONResponse({"status": "unavailable", "detail": e.message}, status_code=503)
         alive = sum(w["alive"] for w in info["workers"])
         return JSONResponse({"status": "ok" if alive else "unavailable", "workers_alive": alive},
                             status_code=200 if alive else 503)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 # a worker that dies (or whose stream's objects die with it) mid-request
 WORKER_GONE = (RayActorError, ObjectLostError)
+UNAVAILABLE_RETRY_S = 0.5  # how often a request waiting for the service to come back asks
 
 
 @dataclass
@@ -72,6 +74,10 @@ class Service:
         self.vocab_size = 0
         self.block_size = cfg.engine_config().block_size
         self.live: dict[str, Slot] = {}  # slot id -> slot, for requests being served here
+        # requests moved to another worker after theirs died before a first token, and
+        # picks that waited for a restarting router or worker (both shown in server info)
+        self.retries = 0
+        self.waits = 0
 
     async def start(self) -> None:
         info = await self.router.ready.remote()
@@ -201,6 +207,7 @@ class Service:
                     log.warning("worker %s died before the first token of %s; retrying: %s",
                                 slot.worker_id, req.request_id, e)
                     tried.append(slot.idx)
+                    self.retries += 1
                     continue
                 raise ServiceError(
                     "unavailable",
@@ -214,7 +221,28 @@ class Service:
     async def _pick(
         self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None
     ) -> Slot | None:
-        """A slot on a worker, None when only failed workers are left; ServiceError otherwise."""
+        """A slot on a worker, None when only failed workers are left; ServiceError otherwise.
+
+        While the router restarts, or no worker is up (a restart under way), it asks again
+        for up to `unavailable_wait_s`: a request that has no token yet waits for the
+        service to come back rather than failing."""
+        deadline = time.monotonic() + self.cfg.unavailable_wait_s
+        while True:
+            try:
+                slot = await self._pick_once(hashes, req, tried, leases)
+            except ServiceError as e:
+                if e.kind != "unavailable" or time.monotonic() >= deadline:
+                    raise
+            else:
+                if slot is not None or time.monotonic() >= deadline:
+                    return slot
+                tried.clear()  # every worker failed it: the restarted ones may take it now
+            self.waits += 1
+            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+
+    async def _pick_once(
+        self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None
+    ) -> Slot | None:
         async def call() -> dict:
             return await self.router.pick.remote(hashes, req.session_id, tried, req.request_id)
 
@@ -265,9 +293,13 @@ class Service:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def server_info(self) -> dict[str, Any]:
-        info = await self.router.server_info.remote()
+        try:
+            info = await self.router.server_info.remote()
+        except RayActorError:
+            raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
         # this ingress replica's own view: slots it holds for requests it is serving
-        info["ingress"] = {"slots": len(self.live)}
+        info["ingress"] = {"slots": len(self.live), "retries": self.retries,
+                           "pick_waits": self.waits}
         return info
 
 

@@ -181,6 +181,7 @@ def build_report(outcomes: list[Any], samples: list[dict], events: list[dict],
     last = [v for t, v in ttft if t >= duration - min(WINDOW_S, duration / 2)]
     for e in events:
         _recovery(e, outs, t0)
+        _ingress_counts(e, samples)
     # failures outside chaos windows must not exist at all; inside them they are reported
     windows = [(e["at_s"], e["at_s"] + (e["recovery_s"] or duration)) for e in events]
 
@@ -260,8 +261,19 @@ def _recovery(e: dict, outs: list[Any], t0: float) -> None:
     for o in hit:
         statuses[o.status] = statuses.get(o.status, 0) + 1
     e["failed"] = len(hit)
+    e["ok_after_kill"] = sum(1 for o in outs if o.status == "ok" and o.start - t0 <= at <= o.end - t0)
     e["failed_by_status"] = statuses
     e["failure_examples"] = sorted({o.message[:160] for o in hit})[:4]
+
+
+def _ingress_counts(e: dict, samples: list[dict]) -> None:
+    """Retries on another worker and picks that waited for the service, from just before the
+    event to a minute after it recovered (a restarted ingress counts from 0 again)."""
+    at, end = e["at_s"], e["at_s"] + (e["recovery_s"] or 60.0) + 60.0
+    for key in ("ingress_retries", "ingress_pick_waits"):
+        before = [s[key] for s in samples if key in s and s["t"] < at]
+        after = [s[key] for s in samples if key in s and at <= s["t"] <= end]
+        e[key.removeprefix("ingress_")] = max(0, max(after, default=0) - (before[-1] if before else 0))
 
 
 def _rss_growth(samples: list[dict], final: dict[str, float], duration: float) -> dict[str, Any]:
@@ -311,7 +323,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  chaos t={e['at_s']:.0f}s {e['killed']}: {e['client_in_flight']} in flight"
                      f" (router {e['router_in_flight']}), failed {e['failed']} "
                      f"{e['failed_by_status']}, back to >=90% throughput after "
-                     f"{e['recovery_s']} s")
+                     f"{e['recovery_s']} s; ingress retries {e.get('retries')}, "
+                     f"pick waits {e.get('pick_waits')}")
     lines.append(f"  idle: {({k: v for k, v in r['idle'].items() if k != 'rss_mib'})}")
     lines.append(f"  verdict: {r['verdict']}")
     return "\n".join(lines)

@@ -68,6 +68,8 @@ class Probe:
             s["error"] = str(e)[:200]
             return s
         s["ingress_slots"] = info.get("ingress", {}).get("slots")
+        s["ingress_retries"] = info.get("ingress", {}).get("retries", 0)
+        s["ingress_pick_waits"] = info.get("ingress", {}).get("pick_waits", 0)
         s["workers"] = [{
             "worker_id": w["worker_id"], "alive": w["alive"], "inflight": w["inflight"],
             "running": w["running"], "waiting": w["waiting"], "parked": w["parked"],

@@ -75,7 +75,8 @@ async def _http_load(serve_app) -> tuple[list[str], list[int]]:
     rng = random.Random(7)
     headers = {"authorization": f"Bearer {serve_app.api_key}"}
     url = serve_app.http_url
-    leave = [None, None, 3, None, None, 10] * 8  # a third of the 48 leave after 3 or 10 chunks
+    # a third of the 48 leave: after 1, 3 or 10 chunks
+    leave = [None, None, 1, None, None, 3, None, None, 10, None, None, 3] * 4
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         async def bad(b: bytes) -> int:
             async with s.post(url + "/v1/completions", data=b, headers={
