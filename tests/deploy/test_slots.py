@@ -60,3 +60,52 @@ def test_leases_release_every_slot_once_and_late_slots_at_once():
     assert late.released
     assert sorted(c[1] for c in router.release.calls) == ["a@0", "b@0", "c@0"]
     assert live == {}
+
+
+def test_a_stream_whose_send_fails_gives_its_slots_back_without_gc():
+    """The leak's mechanism: after a client disconnect, Serve's `send` raises; Starlette then
+    abandons the body iterator at a `yield`, and the generators' `finally` would run only when
+    the cyclic garbage collector gets to them. The response's own `finally` releases at once."""
+    import asyncio
+    import gc
+
+    from kvserve.deploy.openai_api import LeasedStreamingResponse
+
+    router, live = _Actor(), {}
+    leases = Leases()
+
+    async def body():
+        slot = _slot(router, live)
+        leases.add(slot)
+        try:
+            for i in range(100):
+                await asyncio.sleep(0)
+                yield f"data: {i}\n\n"
+        finally:
+            slot.release()
+
+    async def run() -> None:
+        sent = 0
+
+        async def send(msg: dict) -> None:
+            nonlocal sent
+            sent += msg["type"] == "http.response.body"
+            if sent > 3:
+                raise RuntimeError("New messages cannot be sent after the queue is closed.")
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        resp = LeasedStreamingResponse(body(), leases, media_type="text/event-stream")
+        try:
+            await resp({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        except BaseException:  # Starlette re-raises the send error (in a group)
+            pass
+        assert router.release.calls == [(1, "r1@0")], "released only by the garbage collector"
+
+    gc.disable()
+    try:
+        asyncio.run(run())
+    finally:
+        gc.enable()
