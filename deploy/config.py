@@ -45,7 +45,7 @@ class ServeConfig(BaseModel):
     )
     load_poll_interval_s: float = Field(1.0, gt=0, description="router's worker poll period")
     slot_grace_s: float = Field(
-        15.0, gt=0, description="router: an in-flight slot its worker has not known for this "
+        60.0, gt=0, description="router: an in-flight slot its worker has not known for this "
                                 "long is dropped as stale (a lost release), and logged",
     )
     max_request_bytes: int = Field(

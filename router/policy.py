@@ -23,6 +23,7 @@ class WorkerView:
     slots: dict[str, float] = field(default_factory=dict)
     reconciled: int = 0  # stale slots the router dropped (releases that never came)
     duplicate_releases: int = 0  # releases of slots already gone (ignored)
+    late_releases: int = 0  # ... of which slots reconciliation had dropped (corrected too early)
     running: int = 0
     waiting: int = 0
     parked: int = 0

@@ -45,6 +45,9 @@ class RouterActor:
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
         self._info: dict[str, Any] | None = None
+        # slots dropped by reconciliation, to tell a premature correction (released later)
+        # from a release that never came
+        self._reconciled: OrderedDict[str, float] = OrderedDict()
 
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
@@ -105,6 +108,9 @@ class RouterActor:
         v = self.views[idx]
         if v.slots.pop(slot_id, None) is None:
             v.duplicate_releases += 1
+            if self._reconciled.pop(slot_id, None) is not None:
+                # the ingress still had it: the correction came too early (raise slot_grace_s)
+                v.late_releases += 1
             return False
         v.inflight = len(v.slots)
         return True
@@ -172,6 +178,9 @@ class RouterActor:
             elif now - seen > self.cfg.slot_grace_s:
                 del v.slots[slot_id]
                 v.reconciled += 1
+                self._reconciled[slot_id] = now
+                while len(self._reconciled) > MAX_SESSIONS // 10:
+                    self._reconciled.popitem(last=False)
                 log.warning("router: worker %s no longer has request slot %s (unknown to it for "
                             "%.0f s, release never came); dropped it from its in-flight count "
                             "(%d corrections so far)", v.worker_id, slot_id, now - seen,
@@ -200,7 +209,7 @@ class RouterActor:
                  "kv_blocks_free": v.kv_blocks_free, "kv_blocks_total": v.kv_blocks_total,
                  "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
                  "restarts": v.restarts, "reconciled_slots": v.reconciled,
-                 "duplicate_releases": v.duplicate_releases, "stats": dict(v.stats)}
+                 "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases, "stats": dict(v.stats)}
                 for v in self.views
             ],
         }

@@ -135,7 +135,9 @@ def run_soak(
                 log(f"soak: t={s['t']:.0f}s {done} requests done, {load.in_flight} in flight")
             stop.wait(sample_s)
 
-    corrections0 = _corrections(probe.sample())
+    start = probe.sample()
+    corrections0 = _corrections(start)
+    late0 = sum(w["late"] for w in start.get("workers", ()))
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
     try:
@@ -146,6 +148,7 @@ def run_soak(
     idle = idle_check(probe)
     if "router_corrections" in idle:  # during this run (a restarted router counts from 0)
         idle["router_corrections"] = max(0, idle["router_corrections"] - corrections0)
+        idle["late_releases"] = max(0, idle["late_releases"] - late0)
     idle["rss_mib"] = probe.sample()["rss_mib"]
     return build_report(load.outcomes, samples, events, idle, t0, duration)
 
@@ -299,6 +302,8 @@ def _peaks(samples: list[dict]) -> dict[str, Any]:
     return {"kv_used_max": max((w["kv_used"] for w in ws), default=0),
             "kv_total": max((w["kv_total"] for w in ws), default=0),
             "host_used_max": max((w["host_used"] for w in ws), default=0),
+            "host_cached_max": max((w.get("host_cached", 0) for w in ws), default=0),
+            "host_mib_max": max((w.get("host_mib", 0) for w in ws), default=0),
             "evictions_max": max((w["evictions"] for w in ws), default=0),
             "parked_max": max((w["parked"] for w in ws), default=0),
             "inflight_max": max((w["inflight"] for w in ws), default=0)}

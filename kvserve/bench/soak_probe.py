@@ -75,9 +75,13 @@ class Probe:
             "running": w["running"], "waiting": w["waiting"], "parked": w["parked"],
             "kv_used": w["kv_blocks_total"] - w["kv_blocks_free"], "kv_total": w["kv_blocks_total"],
             "host_used": int(w["stats"].get("host_blocks_used", 0)),
+            "host_cached": int(w["stats"].get("host_blocks_cached", 0)),
+            "host_mib": round((w["stats"].get("host_bytes_used", 0)
+                               + w["stats"].get("host_bytes_cached", 0)) / 2**20, 1),
             "host_total": int(w["stats"].get("host_blocks_total", 0)),
             "evictions": int(w["stats"].get("evictions", 0)),
-            "reconciled": w.get("reconciled_slots", 0), "restarts": w["restarts"],
+            "reconciled": w.get("reconciled_slots", 0), "late": w.get("late_releases", 0),
+            "restarts": w["restarts"],
         } for w in info["workers"]]
         return s
 
@@ -109,6 +113,7 @@ def idle_check(probe: Probe, timeout: float = 60.0) -> dict[str, Any]:
             # slots the router had to drop itself (a release that never came); not a leak
             # left behind, but each one is a bug in the ingress's own accounting
             held["router_corrections"] = sum(w["reconciled"] for w in s["workers"])
+            held["late_releases"] = sum(w["late"] for w in s["workers"])
             if clean or time.monotonic() > deadline:
                 return {**held, "clean": clean, "waited_s": round(timeout - (deadline - time.monotonic()), 1)}
         elif time.monotonic() > deadline:
