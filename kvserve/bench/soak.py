@@ -38,6 +38,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--host-cache-gib", type=float, default=None,
+                   help="host KV tier per worker (default: the engine's, a share of free RAM)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--chaos", default="",
                    help="events as WHAT@SECONDS, comma separated; WHAT: worker, router, ingress")
@@ -71,6 +73,8 @@ def cmd_soak(a: argparse.Namespace) -> int:
     key = "soak-key"
     engine = {"kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
               "num_threads": a.threads}
+    if a.host_cache_gib is not None:
+        engine["host_cache_gib"] = a.host_cache_gib
     cfg = ServeConfig(num_workers=a.workers, engine=engine, api_keys=[key],
                       grpc_port=_free_port(), http_port=_free_port())
     print(f"soak: starting the service ({a.workers} workers, KV {a.kv_cache_tokens} tokens "
