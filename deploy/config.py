@@ -44,6 +44,19 @@ class ServeConfig(BaseModel):
         256, ge=1, description="requests in flight per worker before new ones are shed (429)"
     )
     load_poll_interval_s: float = Field(1.0, gt=0, description="router's worker poll period")
+    slot_grace_s: float = Field(
+        60.0, gt=0, description="router: an in-flight slot its worker has not known for this "
+                                "long is dropped as stale (a lost release), and logged",
+    )
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024,
+        description="largest request body (HTTP 413) or gRPC request message "
+                    "(RESOURCE_EXHAUSTED) accepted",
+    )
+    unavailable_wait_s: float = Field(
+        60.0, ge=0, description="a request without a token yet waits this long for a restarting "
+                                "router or worker before UNAVAILABLE (503)",
+    )
     max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
     stream_interval_ms: float | None = Field(
         None, ge=0,
@@ -77,6 +90,7 @@ class ServeConfig(BaseModel):
             stream_interval_ms=self.stream_interval_ms, routing_policy=self.routing_policy,
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
             load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
+            slot_grace_s=self.slot_grace_s,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -14,6 +14,7 @@ class ServiceError(Exception):
         "not_found": (grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
         "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
         "overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        "too_large": (grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error"),
         "unavailable": (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
         "internal": (grpc.StatusCode.INTERNAL, 500, "internal_error"),
     }

@@ -7,12 +7,14 @@ and details on the gRPC context, then raise, which Serve turns into that status.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from kvserve.deploy import metrics
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
 from kvserve.deploy.service import GenRequest, Service
+from kvserve.deploy.slots import Leases
 from kvserve.protos import kvserve_pb2 as pb
 
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -58,6 +60,15 @@ def _logprobs(
     ]
 
 
+def _stream_response(svc: Service, req: GenRequest, c: dict[str, Any]) -> pb.GenerateStreamResponse:
+    return pb.GenerateStreamResponse(
+        request_id=req.request_id, delta_text=c["text"], delta_token_ids=c["token_ids"],
+        finish_reason=c["finish_reason"] or "", stop_reason=c["stop_reason"] or "",
+        usage=_usage(c["usage"]), worker_id=c["worker_id"], model=svc.model_name,
+        logprobs=_logprobs(svc, c["token_ids"], c.get("logprobs"), c.get("top_logprobs")),
+    )
+
+
 def _check_model(svc: Service, request: Any) -> None:
     if request.model == INVALID_UTF8_MARKER:
         raise ServiceError("invalid", "the request could not be parsed: a string field is not "
@@ -83,6 +94,9 @@ class GrpcFrontend:
     async def _gen_request(self, request: Any, ctx: Any, chat: bool) -> GenRequest:
         svc = self._authed(ctx)
         _check_model(svc, request)
+        if (size := request.ByteSize()) > svc.cfg.max_request_bytes:
+            raise ServiceError("too_large", f"request message has {size} bytes; the server's "
+                                            f"limit is {svc.cfg.max_request_bytes} (max_request_bytes)")
         if chat:
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
             if not msgs:
@@ -95,11 +109,14 @@ class GrpcFrontend:
                          default_max_tokens=16)
 
     async def _unary(self, request: Any, ctx: Any, chat: bool) -> pb.GenerateResponse:
+        leases = Leases()  # the request's router slots, released however the call ends
         try:
             req = await self._gen_request(request, ctx, chat)
-            r = await self.service.complete(req)
+            r = await self.service.complete(req, leases)
         except ServiceError as e:
             raise _fail(ctx, e) from None
+        finally:
+            leases.close()
         return pb.GenerateResponse(
             request_id=r.request_id, text=r.text, token_ids=r.token_ids,
             finish_reason=r.finish_reason, stop_reason=r.stop_reason or "", usage=_usage(r.usage),
@@ -110,19 +127,16 @@ class GrpcFrontend:
     async def _stream(
         self, request: Any, ctx: Any, chat: bool
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        leases = Leases()  # released however the call ends (Serve cancels it on a client cancel)
         try:
             req = await self._gen_request(request, ctx, chat)
-            async for c in self.service.stream(req):
-                yield pb.GenerateStreamResponse(
-                    request_id=req.request_id, delta_text=c["text"], delta_token_ids=c["token_ids"],
-                    finish_reason=c["finish_reason"] or "", stop_reason=c["stop_reason"] or "",
-                    usage=_usage(c["usage"]), worker_id=c["worker_id"],
-                    model=self.service.model_name,
-                    logprobs=_logprobs(self.service, c["token_ids"], c.get("logprobs"),
-                                       c.get("top_logprobs")),
-                )
+            async with aclosing(self.service.stream(req, leases)) as chunks:
+                async for c in chunks:
+                    yield _stream_response(self.service, req, c)
         except ServiceError as e:
             raise _fail(ctx, e) from None
+        finally:
+            leases.close()
 
     # ---- RPCs (names as in kvserve.proto) ------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
@@ -131,8 +145,9 @@ class GrpcFrontend:
     async def GenerateStream(
         self, request: pb.GenerateRequest, grpc_context: Any
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for r in self._stream(request, grpc_context, chat=False):
-            yield r
+        async with aclosing(self._stream(request, grpc_context, chat=False)) as rs:
+            async for r in rs:
+                yield r
 
     async def Chat(self, request: pb.ChatRequest, grpc_context: Any) -> pb.GenerateResponse:
         return await self._unary(request, grpc_context, chat=True)
@@ -140,8 +155,9 @@ class GrpcFrontend:
     async def ChatStream(
         self, request: pb.ChatRequest, grpc_context: Any
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for r in self._stream(request, grpc_context, chat=True):
-            yield r
+        async with aclosing(self._stream(request, grpc_context, chat=True)) as rs:
+            async for r in rs:
+                yield r
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: Any) -> pb.TokenizeResponse:
         try:
@@ -177,7 +193,8 @@ class GrpcFrontend:
                 waiting=w["waiting"], parked=w["parked"], free_device_blocks=w["kv_blocks_free"],
                 total_device_blocks=w["kv_blocks_total"],
                 held_device_blocks=w["held_device_blocks"], held_host_blocks=w["held_host_blocks"],
-                restarts=w["restarts"], stats=w["stats"],
+                restarts=w["restarts"], stats=w["stats"], inflight=w["inflight"],
+                reconciled_slots=w["reconciled_slots"],
             )
             for w in info["workers"]
         ]

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from kvserve.deploy import auth, metrics
+from kvserve.deploy import auth, limits, metrics
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
@@ -19,6 +19,7 @@ from kvserve.deploy.grpc_api import GrpcFrontend
 from kvserve.deploy.service import Service
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible API of kvserve")
+app.add_middleware(limits.BodyLimit)
 
 
 @app.exception_handler(RequestValidationError)
@@ -26,6 +27,11 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
     # OpenAI clients expect 400 (not FastAPI's 422) for a malformed body, bad JSON included
     metrics.rejected(ServiceError("invalid", ""))
     return oa.validation_error_response(exc)
+
+
+@app.exception_handler(limits.BodyTooLarge)
+async def _too_large(request: Request, exc: limits.BodyTooLarge) -> JSONResponse:
+    return oa.error_response(limits.too_large(exc.limit))
 
 
 @app.exception_handler(ServiceError)
@@ -53,12 +59,16 @@ class KVServeIngress(GrpcFrontend):
         self.service = Service(ServeConfig(**config))
         auth.set_keys(self.service.api_keys)
         metrics.start(self.service.model_name)
+        limits.set_max_request_bytes(self.service.cfg.max_request_bytes)
         await self.service.start()
 
     # ---- HTTP -----------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        info = await self.service.server_info()
+        try:
+            info = await self.service.server_info()
+        except ServiceError as e:  # the router is restarting
+            return JSONResponse({"status": "unavailable", "detail": e.message}, status_code=503)
         alive = sum(w["alive"] for w in info["workers"])
         return JSONResponse({"status": "ok" if alive else "unavailable", "workers_alive": alive},
                             status_code=200 if alive else 503)

@@ -7,6 +7,7 @@ reject exactly the same values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.openai_choices import complete_all, fan_out, num_choices, stream_all
 from kvserve.deploy.service import GenRequest, Service, sampling_from_fields
+from kvserve.deploy.slots import Leases
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -149,8 +151,12 @@ async def respond(
     created = int(time.time())
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + req.request_id
     reqs = fan_out(req, num_choices(body.n))
+    leases = Leases()  # every router slot of this request, released when it ends
     if not body.stream:
-        results = await complete_all(svc, reqs)
+        try:
+            results = await complete_all(svc, reqs, leases)
+        finally:
+            leases.close()
         lps = _Logprobs(svc, kind)
         choices = []
         for i, r in enumerate(results):
@@ -166,12 +172,35 @@ async def respond(
                 "usage": _usage(_total_usage([r.usage for r in results])),
                 "kvserve_worker": results[0].worker_id}
 
-    chunks = stream_all(svc, reqs)
-    first = await chunks.__anext__()
-    return StreamingResponse(
-        _sse(svc, chunks, first, rid, created, kind, body.include_usage()),
+    chunks = stream_all(svc, reqs, leases)
+    try:
+        first = await chunks.__anext__()
+    except BaseException:  # an error status, or the client left before the first chunk
+        leases.close()
+        raise
+    return LeasedStreamingResponse(
+        _sse(svc, chunks, first, rid, created, kind, body.include_usage()), leases,
         media_type="text/event-stream",
     )
+
+
+class LeasedStreamingResponse(StreamingResponse):
+    """A stream that gives back its request's router slots when the response ends, however
+    it ends. On a client disconnect Starlette cancels the sending task and abandons the
+    body iterator where it stands (often at a `yield`, which no `finally` sees until the
+    generator is garbage-collected); this closes the leases, then the iterator, at once."""
+
+    def __init__(self, content: AsyncIterator[str], leases: Leases, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.leases = leases
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.leases.close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def _total_usage(usages: list[list[int]]) -> list[int]:

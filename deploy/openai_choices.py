@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.service import GenRequest, Result, Service
+from kvserve.deploy.slots import Leases
 
 MAX_CHOICES = 16
 
@@ -39,8 +41,8 @@ def fan_out(req: GenRequest, n: int) -> list[GenRequest]:
     ]
 
 
-async def complete_all(svc: Service, reqs: list[GenRequest]) -> list[Result]:
-    tasks = [asyncio.ensure_future(svc.complete(r)) for r in reqs]
+async def complete_all(svc: Service, reqs: list[GenRequest], leases: Leases) -> list[Result]:
+    tasks = [asyncio.ensure_future(svc.complete(r, leases)) for r in reqs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -48,18 +50,22 @@ async def complete_all(svc: Service, reqs: list[GenRequest]) -> list[Result]:
             t.cancel()
 
 
-async def stream_all(svc: Service, reqs: list[GenRequest]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def stream_all(
+    svc: Service, reqs: list[GenRequest], leases: Leases
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """(choice index, chunk) as the chunks arrive, until every choice has finished."""
     if len(reqs) == 1:
-        async for c in svc.stream(reqs[0]):
-            yield 0, c
+        async with aclosing(svc.stream(reqs[0], leases)) as chunks:  # closed with this one
+            async for c in chunks:
+                yield 0, c
         return
     queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, r: GenRequest) -> None:
         try:
-            async for c in svc.stream(r):
-                await queue.put((i, c))
+            async with aclosing(svc.stream(r, leases)) as chunks:
+                async for c in chunks:
+                    await queue.put((i, c))
             await queue.put((i, None))
         except Exception as e:  # handed to the consumer, which fails the answer
             await queue.put((i, e))

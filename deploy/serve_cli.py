@@ -26,12 +26,42 @@ log = logging.getLogger(__name__)
 # Ray waits 60 s per try for Serve's proxies; a loaded 2-core machine can need several tries
 START_TIMEOUT_ENV = "KVSERVE_START_TIMEOUT_S"
 DEFAULT_START_TIMEOUT_S = 600.0
+LOOPBACK = "127.0.0.1"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-node, loopback mode
+
+
+def local_ray_init(ray_host: str = LOOPBACK) -> dict[str, Any]:
+    """ray.init arguments for a Ray that kvserve starts itself: Ray binds its servers (GCS,
+    raylet, object manager, workers, agents) to the node address, and the dashboard to its
+    own host; both are the loopback interface unless `ray_host` says otherwise."""
+    return {"_node_ip_address": ray_host, "dashboard_host": ray_host}
+
+
+def keep_ray_local(ray_host: str = LOOPBACK) -> bool:
+    """Make a Ray started from this process a single-node, loopback-only one.
+
+    On Linux, ray.init turns a loopback `_node_ip_address` into the host's routable address
+    (so that other nodes could join) and its servers then listen on every interface. Ray's
+    single-node mode (the default on macOS and Windows, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`)
+    keeps the node address on loopback, and every Ray server binds there. Ray reads the
+    variable when it is imported, and its processes inherit it: call this before `import ray`.
+    A value already in the environment wins. Returns whether the mode is on."""
+    if ray_host not in (LOOPBACK, "localhost", "::1"):
+        return False
+    os.environ.setdefault(LOCAL_ONLY_ENV, "0")
+    return os.environ[LOCAL_ONLY_ENV] == "0"
 
 
 def deploy(
-    cfg: ServeConfig, ray_init: dict[str, Any] | None = None, start_timeout_s: float | None = None
+    cfg: ServeConfig, ray_init: dict[str, Any] | None = None, start_timeout_s: float | None = None,
+    ray_host: str = LOOPBACK,
 ) -> Endpoints:
-    """Start a local Ray if none is running, start Serve on the configured ports, deploy."""
+    """Start a local Ray if none is running, start Serve on the configured ports, deploy.
+
+    A Ray started here listens on `ray_host` only (loopback by default); `ray_init` entries
+    win over that. A Ray that is already running keeps its own settings."""
+    if not _ray_running():
+        keep_ray_local(ray_host)
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
@@ -41,7 +71,7 @@ def deploy(
     if not ray.is_initialized():
         if cfg.num_gpus_per_worker == 0:
             apply_cpu_host_defaults()
-        ray.init(**(ray_init or {}))
+        ray.init(**{**local_ray_init(ray_host), **(ray_init or {})})
     deadline = time.monotonic() + start_timeout_s
     _until_ready(lambda: serve.start(
         http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port),
@@ -52,6 +82,13 @@ def deploy(
                  "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
     return Endpoints(f"{host}:{cfg.grpc_port}", f"http://{host}:{cfg.http_port}")
+
+
+def _ray_running() -> bool:
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def _until_ready(step: Callable[[], Any], what: str, deadline: float) -> None:
@@ -86,8 +123,8 @@ def shutdown() -> None:
             ray.shutdown()
 
 
-def serve_forever(cfg: ServeConfig) -> int:
-    ep = deploy(cfg)
+def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK) -> int:
+    ep = deploy(cfg, ray_host=ray_host)
     print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)", flush=True)
     print(f"  gRPC  {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} --prompt ...)")
     print(f"  HTTP  {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
@@ -116,6 +153,11 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--grpc-port", type=int, default=9000)
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    s.add_argument("--ray-host", default=LOOPBACK,
+                   help="address the Ray that kvserve starts binds to (its GCS, raylet, workers, "
+                        "dashboard); default loopback only. Ignored when joining a running Ray")
+    s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body / gRPC message accepted (HTTP 413 beyond)")
     s.add_argument("--api-key", action="append", default=[],
                    help="accepted API key (repeatable; also $KVSERVE_API_KEYS)")
     s.add_argument("--routing-policy", default="affinity",
@@ -144,6 +186,6 @@ def cmd_serve(a: Any) -> int:
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
-        stream_interval_ms=a.stream_interval_ms,
+        stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
     )
-    return serve_forever(cfg)
+    return serve_forever(cfg, ray_host=a.ray_host)

@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ObjectLostError, RayActorError
 
+from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.slots import Leases, Slot
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
@@ -30,6 +33,9 @@ from kvserve.workers.loading.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+# a worker that dies (or whose stream's objects die with it) mid-request
+WORKER_GONE = (RayActorError, ObjectLostError)
+UNAVAILABLE_RETRY_S = 0.5  # how often a request waiting for the service to come back asks
 
 
 @dataclass
@@ -67,6 +73,11 @@ class Service:
         self.max_model_len = 0
         self.vocab_size = 0
         self.block_size = cfg.engine_config().block_size
+        self.live: dict[str, Slot] = {}  # slot id -> slot, for requests being served here
+        # requests moved to another worker after theirs died before a first token, and
+        # picks that waited for a restarting router or worker (both shown in server info)
+        self.retries = 0
+        self.waits = 0
 
     async def start(self) -> None:
         info = await self.router.ready.remote()
@@ -81,7 +92,7 @@ class Service:
             return
         if not key:
             raise ServiceError("unauthenticated", "missing API key (send 'authorization: Bearer KEY')")
-        if key not in self.api_keys:
+        if not key_matches(key, self.api_keys):
             raise ServiceError("unauthenticated", "invalid API key")
 
     def check_model(self, name: str | None) -> None:
@@ -156,82 +167,116 @@ class Service:
         return GenRequest(rid, prompt_ids, params, session_id or None)
 
     # ---- serving ----------------------------------------------------------------------------
-    async def stream(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
-        """Chunks from the chosen worker; raises ServiceError on failure."""
+    async def stream(
+        self, req: GenRequest, leases: Leases | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Chunks from the chosen worker; raises ServiceError on failure.
+
+        Each attempt's router slot is released in this generator's `finally` and, when the
+        caller passes `leases`, also when the caller closes them (whichever comes first)."""
         hashes = hash_full_blocks(req.prompt_ids, self.block_size)
         tried: list[int] = []
         params = req.params.model_dump()
         for _attempt in range(self.cfg.max_retries + 1):
-            pick = await self._pick(hashes, req.session_id, tried)
-            if "error" in pick:
-                if tried and pick["error"] == "unavailable":
-                    break
-                raise ServiceError(pick["error"], pick["message"])
-            if pick["epoch"] != self.epoch:  # the router was restarted with new workers
-                await self.router.ready.remote()
-                self.epoch, self.workers = await self.router.workers_with_epoch.remote()
-            idx, worker_id = pick["idx"], pick["worker_id"]
-            worker = self.workers[idx]
+            slot = await self._pick(hashes, req, tried, leases)
+            if slot is None:  # every worker left has failed this request
+                break
             sent = 0
-            finished = False
             try:
-                gen = worker.generate.remote(req.request_id, req.prompt_ids, params)
+                if slot.epoch != self.epoch:  # the router was restarted with new workers
+                    await self.router.ready.remote()
+                    self.epoch, self.workers = await self.router.workers_with_epoch.remote()
+                slot.worker = self.workers[slot.idx]
+                gen = slot.worker.generate.remote(req.request_id, req.prompt_ids, params,
+                                                  slot.slot_id)
                 async for ref in gen:
                     chunk = await ref
                     if "error" in chunk:
-                        finished = True
+                        slot.finished = True
                         raise ServiceError(chunk["error"], chunk["message"])
                     sent += len(chunk["token_ids"])
-                    finished = chunk["finish_reason"] is not None
+                    slot.finished = chunk["finish_reason"] is not None
                     yield chunk
-                if not finished:
-                    raise ServiceError("internal", f"worker {worker_id} ended the stream early")
+                if not slot.finished:
+                    raise ServiceError("internal", f"worker {slot.worker_id} ended the stream early")
                 return
-            except RayActorError as e:
-                finished = True  # nothing left to abort on a dead worker
-                self.router.report_failure.remote(idx)
+            except WORKER_GONE as e:
+                slot.finished = True  # nothing left to abort on a dead worker
+                self.router.report_failure.remote(slot.idx)
                 if sent == 0:
                     log.warning("worker %s died before the first token of %s; retrying: %s",
-                                worker_id, req.request_id, e)
-                    tried.append(idx)
+                                slot.worker_id, req.request_id, e)
+                    tried.append(slot.idx)
+                    self.retries += 1
                     continue
                 raise ServiceError(
                     "unavailable",
-                    f"worker {worker_id} died mid-stream after {sent} tokens were sent; "
+                    f"worker {slot.worker_id} died mid-stream after {sent} tokens were sent; "
                     "retry the request",
                 ) from None
             finally:
-                self.router.release.remote(idx)
-                if not finished:  # client went away or cancelled: free the KV now
-                    worker.abort.remote(req.request_id)
+                slot.release()  # aborts on the worker too if it did not finish
         raise ServiceError("unavailable", "no worker could take the request (workers died)")
 
-    async def _pick(self, hashes: list[int], session: str | None, tried: list[int]) -> dict:
+    async def _pick(
+        self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None
+    ) -> Slot | None:
+        """A slot on a worker, None when only failed workers are left; ServiceError otherwise.
+
+        While the router restarts, or no worker is up (a restart under way), it asks again
+        for up to `unavailable_wait_s`: a request that has no token yet waits for the
+        service to come back rather than failing."""
+        deadline = time.monotonic() + self.cfg.unavailable_wait_s
+        while True:
+            try:
+                slot = await self._pick_once(hashes, req, tried, leases)
+            except ServiceError as e:
+                if e.kind != "unavailable" or time.monotonic() >= deadline:
+                    raise
+            else:
+                if slot is not None or time.monotonic() >= deadline:
+                    return slot
+                tried.clear()  # every worker failed it: the restarted ones may take it now
+            self.waits += 1
+            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+
+    async def _pick_once(
+        self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None
+    ) -> Slot | None:
         async def call() -> dict:
-            return await self.router.pick.remote(hashes, session, tried)
+            return await self.router.pick.remote(hashes, req.session_id, tried, req.request_id)
 
         # Shielded: a caller cancelled mid-pick (client gone, a sibling choice failed) must
         # still give back the slot the router counts for it, or the count leaks for good.
         task = asyncio.ensure_future(call())
         try:
-            return await asyncio.shield(task)
+            pick = await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._release_unused)
             raise
         except RayActorError:  # the router is restarting (Ray brings it back)
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
+        if "error" in pick:
+            if tried and pick["error"] == "unavailable":
+                return None
+            raise ServiceError(pick["error"], pick["message"])
+        # no await from the pick's answer to here: the slot is registered before any cancel
+        slot = Slot(self.router, pick, req.request_id, self.live)
+        if leases is not None:
+            leases.add(slot)
+        return slot
 
     def _release_unused(self, task: asyncio.Future) -> None:
         if task.cancelled() or task.exception() is not None:
             return
         if "idx" in (pick := task.result()):  # a worker was counted for us
-            self.router.release.remote(pick["idx"])
+            self.router.release.remote(pick["idx"], pick["slot_id"])
 
-    async def complete(self, req: GenRequest) -> Result:
+    async def complete(self, req: GenRequest, leases: Leases | None = None) -> Result:
         text, ids, last = [], [], None
         lps: list[float] | None = [] if req.params.logprobs is not None else None
         tops: list[list] | None = [] if req.params.logprobs else None
-        async for chunk in self.stream(req):
+        async for chunk in self.stream(req, leases):
             text.append(chunk["text"])
             ids.extend(chunk["token_ids"])
             if lps is not None:
@@ -248,7 +293,14 @@ class Service:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def server_info(self) -> dict[str, Any]:
-        return await self.router.server_info.remote()
+        try:
+            info = await self.router.server_info.remote()
+        except RayActorError:
+            raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
+        # this ingress replica's own view: slots it holds for requests it is serving
+        info["ingress"] = {"slots": len(self.live), "retries": self.retries,
+                           "pick_waits": self.waits}
+        return info
 
 
 def _has_surrogates(s: str) -> bool:

@@ -18,6 +18,8 @@ class RouterConfig:
     max_inflight_per_worker: int = 256
     load_poll_interval_s: float = 1.0
     model_name: str = ""  # the served name (metrics tag); "" = the model file's stem
+    # a slot the worker has not known for this long is dropped as stale (a lost release)
+    slot_grace_s: float = 60.0
 
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""

@@ -18,7 +18,12 @@ class WorkerView:
     idx: int
     worker_id: str
     alive: bool = False
-    inflight: int = 0  # requests routed here and not yet released (router's own count)
+    inflight: int = 0  # requests routed here and not yet released (len(slots) in the router)
+    # slot id -> when the worker (or the pick) last vouched for it; see RouterActor._reconcile
+    slots: dict[str, float] = field(default_factory=dict)
+    reconciled: int = 0  # stale slots the router dropped (releases that never came)
+    duplicate_releases: int = 0  # releases of slots already gone (ignored)
+    late_releases: int = 0  # ... of which slots reconciliation had dropped (corrected too early)
     running: int = 0
     waiting: int = 0
     parked: int = 0

@@ -48,6 +48,9 @@ class RouterActor:
         self._poller: asyncio.Task | None = None
         self._info: dict[str, Any] | None = None
         self.metrics = RouterMetrics(self.policy.name)
+        # slots dropped by reconciliation, to tell a premature correction (released later)
+        # from a release that never came
+        self._reconciled: OrderedDict[str, float] = OrderedDict()
 
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
@@ -69,9 +72,12 @@ class RouterActor:
 
     # ---- routing ----------------------------------------------------------------------------
     async def pick(
-        self, block_hashes: list[int], session_id: str | None, exclude: list[int]
+        self, block_hashes: list[int], session_id: str | None, exclude: list[int],
+        request_id: str = "",
     ) -> dict[str, Any]:
-        """Choose a worker; {"idx", "worker_id", "reason"} or {"error", "message"}."""
+        """Choose a worker; {"idx", "worker_id", "slot_id", "reason", ...} or {"error", "message"}.
+
+        The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
         alive = [v for v in self.views if v.alive and v.idx not in exclude]
@@ -86,7 +92,9 @@ class RouterActor:
         d = self.policy.choose(room, RouteRequest(block_hashes, sw))
         v = self.views[d.idx]
         self.metrics.picked(d, v, block_hashes, retry=bool(exclude))
-        v.inflight += 1
+        slot_id = f"{request_id}@{uuid.uuid4().hex[:12]}"
+        v.slots[slot_id] = time.monotonic()
+        v.inflight = len(v.slots)
         expiry = time.monotonic() + PENDING_TTL_S
         for h in block_hashes:
             v.pending[h] = expiry
@@ -95,12 +103,21 @@ class RouterActor:
             self.sessions.move_to_end(session_id)
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        return {"idx": d.idx, "worker_id": v.worker_id, "reason": d.reason,
+        return {"idx": d.idx, "worker_id": v.worker_id, "slot_id": slot_id, "reason": d.reason,
                 "matched_blocks": d.matched_blocks, "epoch": self.epoch}
 
-    def release(self, idx: int) -> None:
+    def release(self, idx: int, slot_id: str) -> bool:
+        """Stop counting a slot; a second release of it (or of one already reconciled away,
+        or from before a router restart) is ignored. Returns whether it was counted."""
         v = self.views[idx]
-        v.inflight = max(0, v.inflight - 1)
+        if v.slots.pop(slot_id, None) is None:
+            v.duplicate_releases += 1
+            if self._reconciled.pop(slot_id, None) is not None:
+                # the ingress still had it: the correction came too early (raise slot_grace_s)
+                v.late_releases += 1
+            return False
+        v.inflight = len(v.slots)
+        return True
 
     def report_failure(self, idx: int) -> None:
         """The ingress saw this worker die: stop routing to it until a poll finds it back."""
@@ -155,10 +172,35 @@ class RouterActor:
         v.stats = load["stats"]
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
+        self._reconcile(v, set(load.get("slots", ())), now)
+
+    def _reconcile(self, v: WorkerView, on_worker: set[str], now: float) -> None:
+        """Second line of defence against a lost release: a slot is confirmed while its
+        worker runs or streams the request; one the worker has not known for longer than
+        the grace period (which covers the trip from pick to the worker) is dropped."""
+        for slot_id, seen in list(v.slots.items()):
+            if slot_id in on_worker:
+                v.slots[slot_id] = now
+            elif now - seen > self.cfg.slot_grace_s:
+                del v.slots[slot_id]
+                v.reconciled += 1
+                self._reconciled[slot_id] = now
+                while len(self._reconciled) > MAX_SESSIONS // 10:
+                    self._reconciled.popitem(last=False)
+                log.warning("router: worker %s no longer has request slot %s (unknown to it for "
+                            "%.0f s, release never came); dropped it from its in-flight count "
+                            "(%d corrections so far)", v.worker_id, slot_id, now - seen,
+                            v.reconciled)
+        v.inflight = len(v.slots)
 
     def set_max_inflight_per_worker(self, n: int) -> int:
         """Change the overload limit at run time (operators, tests); returns the old one."""
         old, self.cfg.max_inflight_per_worker = self.cfg.max_inflight_per_worker, max(1, int(n))
+        return old
+
+    def set_slot_grace_s(self, s: float) -> float:
+        """Change the reconciliation grace period at run time; returns the old one."""
+        old, self.cfg.slot_grace_s = self.cfg.slot_grace_s, max(0.0, float(s))
         return old
 
     # ---- introspection ----------------------------------------------------------------------
@@ -166,12 +208,14 @@ class RouterActor:
         return {
             "routing_policy": self.policy.name,
             "model_info": self._info,
+            "slot_grace_s": self.cfg.slot_grace_s,
             "workers": [
                 {"idx": v.idx, "worker_id": v.worker_id, "alive": v.alive, "inflight": v.inflight,
                  "running": v.running, "waiting": v.waiting, "parked": v.parked,
                  "kv_blocks_free": v.kv_blocks_free, "kv_blocks_total": v.kv_blocks_total,
                  "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
-                 "restarts": v.restarts, "stats": dict(v.stats)}
+                 "restarts": v.restarts, "reconciled_slots": v.reconciled,
+                 "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases, "stats": dict(v.stats)}
                 for v in self.views
             ],
         }

@@ -9,6 +9,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a Ray the tests start is loopback-only, as `kvserve serve` makes it (deploy/serve_cli.py);
+# set before any test module imports ray, which reads it at import
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -45,7 +45,9 @@ def _metric_name(key: str) -> str:
 class _Request:
     """Outputs of one request, buffered between the engine pump and the stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, slot_id: str | None) -> None:
+        self.slot_id = slot_id  # the router's slot for it (reported on `load`)
+        self.aborted = False
         self.outs: list[RequestOutput] = []
         self.error: BaseException | None = None
         self.done = False
@@ -106,9 +108,13 @@ class WorkerActor:
     # ---- requests -------------------------------------------------------------------------
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def generate(
-        self, request_id: str, prompt: list[int] | str, params: dict[str, Any]
+        self, request_id: str, prompt: list[int] | str, params: dict[str, Any],
+        slot_id: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Stream chunks {token_ids, text, finish_reason, usage, worker_id} or one {error}."""
+        """Stream chunks {token_ids, text, finish_reason, usage, worker_id} or one {error}.
+
+        `slot_id` is the router's name for this request's place in its in-flight count; the
+        worker reports the slots it holds on `load`, so the router can drop stale ones."""
         self._ensure_metrics()
         track = self.metrics.request()
         try:
@@ -122,14 +128,14 @@ class WorkerActor:
             yield {"error": "invalid", "message": f"request id {request_id!r} is in use",
                    "worker_id": self.worker_id}
             return
-        req = _Request()
+        req = _Request(slot_id)
         self._requests[request_id] = req
         # the engine validates and tokenizes on the first step of this generator (in the pump)
         gen = self.engine.generate(prompt, sp, request_id)
         req.task = asyncio.create_task(self._pump(gen, req, track))
         sent_at: float | None = None  # when this stream's previous chunk went out
         try:
-            while True:
+            while not req.aborted:
                 await req.event.wait()
                 req.event.clear()
                 if req.outs and sent_at is not None:
@@ -194,7 +200,9 @@ class WorkerActor:
         req = self._requests.get(request_id)
         if req is None or req.task is None:
             return False
+        req.aborted = True  # its stream ends too, even if the consumer never reads again
         req.task.cancel()
+        req.event.set()
         return True
 
     # ---- load and info ----------------------------------------------------------------------
@@ -212,6 +220,7 @@ class WorkerActor:
             "kv_blocks_free": int(s.get("kv_blocks_free", 0)),
             "kv_blocks_total": int(s.get("kv_blocks_total", 0)),
             "streams": len(self._requests),
+            "slots": [r.slot_id for r in self._requests.values() if r.slot_id and not r.aborted],
             "held": self.engine.engine.held_block_hashes(),
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
         }

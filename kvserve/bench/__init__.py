@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-BENCHES = ("offline", "batched", "attention", "serve", "throughput", "pressure", "multiturn")
+BENCHES = ("offline", "batched", "attention", "serve", "throughput", "pressure", "multiturn",
+           "soak")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

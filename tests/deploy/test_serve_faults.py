@@ -175,13 +175,15 @@ def test_a_pick_cancelled_midway_gives_its_slot_back(serve_app):
     failed) must not leave the router counting it: the count would shed load for good."""
     import asyncio
 
-    from kvserve.deploy.service import Service
+    from kvserve.deploy.service import GenRequest, Service
+    from kvserve.sampling import SamplingParams
 
     _wait_router_idle(serve_app)
     svc = Service(serve_app.config)  # an ingress's view of the same router
 
     async def go() -> None:
-        t = asyncio.ensure_future(svc._pick([], None, []))
+        req = GenRequest("req-cancelled-pick", [1, 2, 3], SamplingParams())
+        t = asyncio.ensure_future(svc._pick([], req, [], None))
         await asyncio.sleep(0)  # _pick starts its call...
         await asyncio.sleep(0)  # ...which reaches the router: cancel before the answer
         t.cancel()

@@ -1,0 +1,72 @@
+"""Router slots: a request's place in a worker's in-flight count, given back exactly once.
+
+The router counts a request against its worker from `pick` until `release`. Every path
+out of a request (answered, failed, worker died, client gone before the pick returned,
+between chunks or while a chunk was on its way) must release it once, at once: a count
+left behind skews routing for good and, with `max_inflight_per_worker`, ends in refusing
+everything. Release is therefore a plain synchronous call on an idempotent object, made
+by the stream's own `finally` and, independently, by the front end when its response ends
+(`Leases.close`), so it never waits for an abandoned generator to be garbage-collected.
+The router also drops duplicate releases by slot id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Slot:
+    """One routed attempt of one request: its worker index and the router's slot id."""
+
+    __slots__ = ("router", "idx", "worker_id", "slot_id", "request_id", "epoch", "worker",
+                 "finished", "released", "_live")
+
+    def __init__(self, router: Any, pick: dict[str, Any], request_id: str,
+                 live: dict[str, Slot]) -> None:
+        self.router = router
+        self.idx: int = pick["idx"]
+        self.worker_id: str = pick["worker_id"]
+        self.slot_id: str = pick["slot_id"]
+        self.epoch: str = pick["epoch"]
+        self.request_id = request_id
+        self.worker: Any = None  # set once the stream starts on it (abort needs it)
+        self.finished = False  # the worker ended the request itself: nothing to abort
+        self.released = False
+        self._live = live
+        live[self.slot_id] = self
+
+    def release(self) -> bool:
+        """Give the slot back (and abort the request on its worker if it still runs).
+        Only the first call does anything; returns whether this one did."""
+        if self.released:
+            return False
+        self.released = True
+        self._live.pop(self.slot_id, None)
+        self.router.release.remote(self.idx, self.slot_id)
+        if not self.finished and self.worker is not None:
+            self.worker.abort.remote(self.request_id)  # frees its KV now
+        return True
+
+
+class Leases:
+    """The slots of one client request (its `n` choices and their retries).
+
+    The front end closes it on every exit path of the request; a slot added after the
+    close (a pick that returned after the client left) is released on the spot.
+    """
+
+    def __init__(self) -> None:
+        self._slots: list[Slot] = []
+        self.closed = False
+
+    def add(self, slot: Slot) -> None:
+        if self.closed:
+            slot.release()
+        else:
+            self._slots.append(slot)
+
+    def close(self) -> int:
+        """Release every slot still held; returns how many this call released."""
+        self.closed = True
+        slots, self._slots = self._slots, []
+        return sum(s.release() for s in slots)
