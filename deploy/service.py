@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError
 
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.stream_relay import StreamRelay
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
@@ -56,12 +57,12 @@ class Result:
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, router: Any = None) -> None:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
         self.tokenizer = load_tokenizer(resolve_model(cfg.model))
-        self.router = get_or_create_router(cfg.router_config())
+        self.router = router or get_or_create_router(cfg.router_config())
         self.workers: list[Any] = []
         self.epoch = ""
         self.max_model_len = 0
@@ -171,13 +172,13 @@ class Service:
                 await self.router.ready.remote()
                 self.epoch, self.workers = await self.router.workers_with_epoch.remote()
             idx, worker_id = pick["idx"], pick["worker_id"]
-            worker = self.workers[idx]
+            # follows the request when the router moves its stream to another worker
+            relay = StreamRelay(self.workers, idx, req.request_id, self.router.move_slot.remote)
             sent = 0
             finished = False
             try:
-                gen = worker.generate.remote(req.request_id, req.prompt_ids, params)
-                async for ref in gen:
-                    chunk = await ref
+                gen = relay.worker.generate.remote(req.request_id, req.prompt_ids, params)
+                async for chunk in relay.chunks(gen):
                     if "error" in chunk:
                         finished = True
                         raise ServiceError(chunk["error"], chunk["message"])
@@ -189,6 +190,7 @@ class Service:
                 return
             except RayActorError as e:
                 finished = True  # nothing left to abort on a dead worker
+                idx, worker_id = relay.idx, f"worker-{relay.idx}"
                 self.router.report_failure.remote(idx)
                 if sent == 0:
                     log.warning("worker %s died before the first token of %s; retrying: %s",
@@ -201,9 +203,9 @@ class Service:
                     "retry the request",
                 ) from None
             finally:
-                self.router.release.remote(idx)
+                self.router.release.remote(relay.idx)
                 if not finished:  # client went away or cancelled: free the KV now
-                    worker.abort.remote(req.request_id)
+                    relay.worker.abort.remote(req.request_id)
         raise ServiceError("unavailable", "no worker could take the request (workers died)")
 
     async def _pick(self, hashes: list[int], session: str | None, tried: list[int]) -> dict:

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
+from kvserve.router.migration import MigrationConfig
+from kvserve.router.mover import StreamMover
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.workers.worker_actor import create_worker
 
@@ -34,12 +36,13 @@ class RouterActor:
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
         engine = self.cfg.worker_engine(available_cores())
         self.handles = [
-            create_worker(f"worker-{i}", engine, self.cfg.num_cpus_per_worker,
+            create_worker(f"worker-{i}", self.cfg.engine_of(i, engine), self.cfg.num_cpus_per_worker,
                           self.cfg.num_gpus_per_worker,
                           stream_interval_ms=self.cfg.stream_interval_ms)
             for i in range(self.cfg.num_workers)
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
+        self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views)
         self.sessions: OrderedDict[str, int] = OrderedDict()
         # a restarted router starts new workers: the ingress refetches handles when this changes
         self.epoch = uuid.uuid4().hex
@@ -71,7 +74,8 @@ class RouterActor:
         """Choose a worker; {"idx", "worker_id", "reason"} or {"error", "message"}."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
-        alive = [v for v in self.views if v.alive and v.idx not in exclude]
+        alive = [v for v in self.views if v.alive and v.idx not in exclude
+                 and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
         if not alive:
             return {"error": "unavailable", "message": "no worker is available to take the request"}
         room = [v for v in alive if v.inflight < self.cfg.max_inflight_per_worker]
@@ -98,6 +102,21 @@ class RouterActor:
         v = self.views[idx]
         v.inflight = max(0, v.inflight - 1)
 
+    def move_slot(self, src: int, dst: int) -> None:
+        """A request's stream moved from worker `src` to `dst`: so does its slot."""
+        self.release(src)
+        self.views[dst].inflight += 1
+
+    async def move_stream(self, request_id: str, src: int, dst: int) -> dict[str, Any]:
+        """Move one unfinished request's stream to another worker (operators, tests)."""
+        return await self.mover.move(request_id, src, dst)
+
+    async def drain(self, idx: int, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Stop admitting to worker `idx`, move its streams to the others, stop it."""
+        if not 0 <= idx < len(self.views):
+            return {"error": f"no worker {idx}; workers are 0..{len(self.views) - 1}"}
+        return await self.mover.drain(idx, timeout_s)
+
     def report_failure(self, idx: int) -> None:
         """The ingress saw this worker die: stop routing to it until a poll finds it back."""
         v = self.views[idx]
@@ -117,6 +136,7 @@ class RouterActor:
             await asyncio.sleep(interval)
             try:
                 await self._poll_once()
+                self.mover.tick()
             except Exception:
                 log.exception("polling workers failed")
 
@@ -128,6 +148,7 @@ class RouterActor:
                 v.alive = False
                 return
             self._update(v, load)
+            self.mover.observe(v.idx, load)
 
         await asyncio.gather(*(one(v) for v in self.views))
 
@@ -165,7 +186,7 @@ class RouterActor:
                  "running": v.running, "waiting": v.waiting, "parked": v.parked,
                  "kv_blocks_free": v.kv_blocks_free, "kv_blocks_total": v.kv_blocks_total,
                  "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
-                 "restarts": v.restarts, "stats": dict(v.stats)}
+                 "restarts": v.restarts, "stats": {**v.stats, **self.mover.stats(v.idx)}}
                 for v in self.views
             ],
         }

@@ -26,6 +26,8 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.migration import StreamMoved
+from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ def _chunk_logprobs(outs: list[RequestOutput]) -> tuple[list[float], list[list] 
     return lps, tops
 
 
-class WorkerActor:
+class WorkerActor(StreamMoves):
     """Ray actor body (wrapped with ray.remote by `create_worker`)."""
 
     def __init__(
@@ -116,10 +118,23 @@ class WorkerActor:
             yield {"error": "invalid", "message": f"request id {request_id!r} is in use",
                    "worker_id": self.worker_id}
             return
+        # the engine validates and tokenizes on the first step of this generator (in the pump)
+        async for chunk in self._chunks(request_id, self.engine.generate(prompt, sp, request_id)):
+            yield chunk
+
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
+    async def resume(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of a stream imported here, from where its previous worker stopped."""
+        self._ensure_metrics()
+        async for chunk in self._chunks(request_id, self.engine.resume(request_id)):
+            yield chunk
+
+    async def _chunks(
+        self, request_id: str, outs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[dict[str, Any]]:
         req = _Request()
         self._requests[request_id] = req
-        # the engine validates and tokenizes on the first step of this generator (in the pump)
-        req.task = asyncio.create_task(self._pump(self.engine.generate(prompt, sp, request_id), req))
+        req.task = asyncio.create_task(self._pump(outs, req))
         sent_at: float | None = None  # when this stream's previous chunk went out
         try:
             while True:
@@ -134,6 +149,12 @@ class WorkerActor:
                     if chunk["finish_reason"] is not None:
                         self.served += 1
                         return
+                if req.error is not None and req.outs:
+                    req.event.set()  # outputs that arrived during the yield go first
+                    continue
+                if isinstance(req.error, StreamMoved):  # its consumer continues there
+                    yield {"moved_to": req.error.target, "worker_id": self.worker_id}
+                    return
                 if req.error is not None:
                     bad = isinstance(req.error, InvalidRequestError | OutOfKVCacheError)
                     kind = "invalid" if bad else "internal"
@@ -144,7 +165,8 @@ class WorkerActor:
         finally:
             # consumer gone (cancelled/closed) or finished: stop the pump, which aborts the
             # request in the engine and frees its KV if it was still running
-            self._requests.pop(request_id, None)
+            if self._requests.get(request_id) is req:  # a stream moved back may be here anew
+                del self._requests[request_id]
             if not req.task.done():
                 req.task.cancel()
 
@@ -179,6 +201,7 @@ class WorkerActor:
         """Abort a request (its stream ends); KV blocks are freed by the engine."""
         req = self._requests.get(request_id)
         if req is None or req.task is None:
+            self.engine.abort(request_id)  # imported and not resumed yet, or in transit
             return False
         req.task.cancel()
         return True
@@ -198,6 +221,7 @@ class WorkerActor:
             "kv_blocks_free": int(s.get("kv_blocks_free", 0)),
             "kv_blocks_total": int(s.get("kv_blocks_total", 0)),
             "streams": len(self._requests),
+            "parked_streams": self.engine.parked,
             "held": self.engine.engine.held_block_hashes(),
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
         }

@@ -1,0 +1,48 @@
+"""One logical stream per request, whichever workers serve it.
+
+A worker whose stream was moved ends it with a {"moved_to": idx} item; the relay then
+continues from that worker's `resume`. Both sides know which tokens were delivered (the
+snapshot carries the output so far and the detokenizer state), so the client sees each
+token exactly once, and the final worker's `usage` counts the whole request. The router
+moves the request's slot with the stream, so the one to release is the last worker's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+
+class StreamRelay:
+    def __init__(
+        self, workers: list[Any], idx: int, request_id: str,
+        move_slot: Callable[[int, int], Any],
+    ) -> None:
+        self.workers = workers
+        self.idx = idx  # the worker serving the stream now
+        self.request_id = request_id
+        self.move_slot = move_slot  # the router's count of requests per worker follows
+        self.moves = 0
+
+    @property
+    def worker(self) -> Any:
+        return self.workers[self.idx]
+
+    async def chunks(self, first: Any) -> AsyncIterator[dict[str, Any]]:
+        """Chunks of `first` (a worker's streaming generator), then of each worker the
+        stream moves to; the move markers themselves are not passed on."""
+        gen = first
+        while True:
+            moved_to: int | None = None
+            async for ref in gen:
+                chunk = await ref
+                if "moved_to" in chunk:
+                    moved_to = int(chunk["moved_to"])
+                    break
+                yield chunk
+            if moved_to is None:
+                return
+            # Ray runs one caller's calls to an actor in order: this lands before the release
+            self.move_slot(self.idx, moved_to)
+            self.idx, self.moves = moved_to, self.moves + 1
+            gen = self.worker.resume.remote(self.request_id)
