@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from kvserve.router.migration import (
     MigrationConfig,
@@ -101,6 +102,8 @@ class StreamMover:
             res = await asyncio.wait_for(self.handles[dst].import_stream.remote(data_ref),
                                          self.cfg.import_timeout_s)
         except Exception as e:  # died or stuck mid-import
+            if isinstance(e, RayActorError):
+                self.views[dst].alive = False  # until a poll finds it back
             res = {"error": f"{type(e).__name__}: {e}"}
         if "error" in res:
             self.counts[dst]["failures"] += 1

@@ -52,8 +52,9 @@ class RouterActor:
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
         """Wait until every worker has loaded its model; start polling. Returns model info."""
-        infos = await asyncio.gather(*(h.info.remote() for h in self.handles))
-        for v, info in zip(self.views, infos, strict=True):
+        live = [v for v in self.views if v.idx not in self.mover.drained]  # drained: stopped
+        infos = await asyncio.gather(*(self.handles[v.idx].info.remote() for v in live))
+        for v, info in zip(live, infos, strict=True):
             v.alive, v.incarnation = True, info["incarnation"]
         self._info = infos[0]
         await self._poll_once()

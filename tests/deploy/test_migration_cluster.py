@@ -1,7 +1,8 @@
-"""Migration and drain on a cluster of its own (real Ray, two workers on the default model,
-worker 0 with a tiny device KV pool), driven through the ingress's Service: parked streams
-move to the worker with room and a drained worker hands its streams over, every output
-identical to an unmoved run, no request failing, no KV left behind."""
+"""Migration and drain on a cluster of its own (real Ray, three workers on the default
+model, worker 0 with a tiny device KV pool), driven through the ingress's Service: parked
+streams move to a worker with room, a move to a dead worker leaves the stream at its source,
+and a drained worker hands its streams over; every output identical to an unmoved run, no
+request failing, no KV left behind. The tests run in order (the last two stop workers)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def cluster() -> Iterator[Any]:
     own = not ray.is_initialized()
     if own:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    cfg = RouterConfig(num_workers=2, engine=ENGINE, num_cpus_per_worker=0.5,
+    cfg = RouterConfig(num_workers=3, engine=ENGINE, num_cpus_per_worker=0.5,
                        max_imbalance=100, load_poll_interval_s=0.5, engine_overrides={0: TINY},
                        migration={"park_threshold_s": 0.5, "min_interval_s": 2.0})
     router = ray.remote(RouterActor).options(num_cpus=0, max_concurrency=1000).remote(
@@ -53,21 +54,23 @@ def _reference(smol_llm, n: int) -> list[list[int]]:
     return [o.token_ids for o in smol_llm.generate([_prompt(i) for i in range(n)], p)]
 
 
-async def _service(router: Any) -> Service:
-    svc = Service(ServeConfig(num_workers=2, engine=ENGINE), router=router)
-    await svc.start()
-    return svc
+@pytest.fixture(scope="module")
+def svc(cluster) -> Service:
+    """The ingress's request path, in this process, on the cluster's router."""
+    s = Service(ServeConfig(num_workers=3, engine=ENGINE), router=cluster)
+    asyncio.run(s.start())
+    return s
 
 
-async def _run(svc: Service, i: int, session: str) -> Result:
+async def _run(svc: Service, i: int, session: str, rid: str | None = None) -> Result:
     req = svc.build(svc.tokenize(prompt=_prompt(i)),
-                    {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}, session)
+                    {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}, session, rid)
     return await svc.complete(req)
 
 
 async def _session_on_worker0(router: Any, session: str) -> str:
     """Bind `session` to worker 0 (left alone, a new session goes to the emptier worker 1)."""
-    pick = await router.pick.remote([], session, [1])
+    pick = await router.pick.remote([], session, [1, 2])
     assert pick["idx"] == 0
     router.release.remote(0)
     return session
@@ -89,12 +92,11 @@ def _wait_clean(router: Any, workers: list[int]) -> None:
     raise AssertionError(f"KV left behind: {[ld['stats'] for ld in loads]}")
 
 
-def test_parked_streams_move_to_the_worker_with_room(cluster, smol_llm):
+def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
     n = 6
     want = _reference(smol_llm, n)
 
     async def run() -> list[Result]:
-        svc = await _service(cluster)
         session = await _session_on_worker0(cluster, "hot")
         return await asyncio.gather(*(_run(svc, i, session) for i in range(n)))
 
@@ -104,20 +106,45 @@ def test_parked_streams_move_to_the_worker_with_room(cluster, smol_llm):
     assert [r.token_ids for r in got] == want
     assert all(r.finish_reason == "length" and r.usage[2] == MAX_TOKENS for r in got)
     assert after[0]["evictions"] > before[0]["evictions"]  # the pressure parked streams
-    moved = after[1]["migration_streams_in"] - before[1]["migration_streams_in"]
-    assert moved >= 1 and after[1]["migration_bytes_in"] > before[1]["migration_bytes_in"]
-    assert sum(r.worker_id == "worker-1" for r in got) >= 1  # finished where they moved
+    moved = sum(after[i]["migration_streams_in"] - before[i]["migration_streams_in"]
+                for i in (1, 2))
+    assert moved >= 1 and after[0]["migration_streams_out"] - before[0]["migration_streams_out"] \
+        == moved
+    assert after[0]["migration_bytes_out"] > before[0]["migration_bytes_out"]
+    assert sum(r.worker_id != "worker-0" for r in got) >= 1  # finished where they moved
+    _wait_clean(cluster, [0, 1, 2])
+    assert [w["inflight"] for w in ray.get(cluster.server_info.remote())["workers"]] == [0, 0, 0]
+
+
+def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smol_llm):
+    want = _reference(smol_llm, 1)
+    handles = ray.get(cluster.workers.remote())
+    ray.kill(handles[2], no_restart=True)  # the target is gone when the import is sent
+
+    async def run() -> tuple[Result, dict[str, Any]]:
+        session = await _session_on_worker0(cluster, "fail")
+        task = asyncio.create_task(_run(svc, 0, session, "to-the-dead"))
+        while "to-the-dead" not in await handles[0].unfinished_ids.remote():
+            await asyncio.sleep(0.05)
+        moved = await cluster.move_stream.remote("to-the-dead", 0, 2)
+        return await task, moved
+
+    before = _stats(cluster)
+    got, moved = asyncio.run(run())
+    assert "error" in moved and moved["returned"], moved
+    assert got.token_ids == want[0] and got.worker_id == "worker-0"
+    after = _stats(cluster)
+    assert after[2]["migration_failures"] == before[2]["migration_failures"] + 1
+    assert after[0]["migration_returned"] == before[0]["migration_returned"] + 1
     _wait_clean(cluster, [0, 1])
-    assert all(w["inflight"] == 0 for w in ray.get(cluster.server_info.remote())["workers"])
 
 
-def test_drain_hands_running_streams_over(cluster, smol_llm):
+def test_drain_hands_running_streams_over(cluster, svc, smol_llm):
     n = 8
     want = _reference(smol_llm, n)
     handles = ray.get(cluster.workers.remote())
 
     async def run() -> tuple[list[Result], dict[str, Any]]:
-        svc = await _service(cluster)
         session = await _session_on_worker0(cluster, "drain")
         tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
         deadline = time.monotonic() + 120
@@ -136,4 +163,5 @@ def test_drain_hands_running_streams_over(cluster, smol_llm):
     info = ray.get(cluster.server_info.remote())["workers"]
     assert info[0]["stats"]["drained"] == 1 and not info[0]["alive"]
     _wait_clean(cluster, [1])
-    assert all(w["inflight"] == 0 for w in info)
+    inflight = [w["inflight"] for w in ray.get(cluster.server_info.remote())["workers"]]
+    assert inflight == [0, 0, 0]  # each request's router slot followed it and was given back
