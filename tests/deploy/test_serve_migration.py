@@ -86,3 +86,20 @@ def test_http_sse_moved_mid_generation(serve_app):
     assert finals and finals[-1]["kvserve_worker"] == target
     assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert events[-1]["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+
+
+def test_drain_admin_rejects_bad_input_and_callers_without_a_key(serve_app, stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.DrainWorker(pb.DrainWorkerRequest(worker_id="worker-9"), metadata=serve_app.metadata)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "worker-9" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.DrainWorker(pb.DrainWorkerRequest(worker_id="worker-0"))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    url = f"{serve_app.http_url}/v1/admin/drain"
+    headers = {"authorization": f"Bearer {serve_app.api_key}"}
+    assert requests.post(url, json={"worker": 0}, timeout=60).status_code == 401
+    bad = requests.post(url, json={"worker": "nope"}, headers=headers, timeout=60)
+    assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]
+    neg = requests.post(url, json={"worker": 1, "timeout_s": -1}, headers=headers, timeout=60)
+    assert neg.status_code == 400
+    assert all(w["alive"] and not w["stats"]["draining"] for w in serve_app.server_info()["workers"])

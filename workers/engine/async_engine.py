@@ -235,26 +235,26 @@ class AsyncLLMEngine:
         if st is not None:
             self._moving[rid] = st
         self.moves.moved_out += 1
-        self.moves.bytes_out += len(data)
+        self.moves.snapshot_bytes_out += len(data)
         return data
 
     def _import(self, data: bytes, loop: asyncio.AbstractEventLoop) -> str:
         try:
             rid = self.engine.import_stream(data)
         except Exception:
-            self.moves.failures += 1
+            self.moves.import_failures += 1
             raise
         st = self._moving.pop(rid, None)
         if st is not None:  # a move of ours that failed: the stream is back, same consumer
             self.moves.moved_out -= 1
-            self.moves.bytes_out -= len(data)
+            self.moves.snapshot_bytes_out -= len(data)
             self.moves.returned += 1
         else:
             st = _Stream(loop)
             st.imported_at = time.monotonic()
             self._unclaimed[rid] = st
             self.moves.moved_in += 1
-            self.moves.bytes_in += len(data)
+            self.moves.snapshot_bytes_in += len(data)
         self._streams[rid] = st
         return rid
 

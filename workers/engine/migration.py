@@ -29,10 +29,10 @@ class MoveCounters:
 
     moved_out: int = 0
     moved_in: int = 0
-    bytes_out: int = 0
-    bytes_in: int = 0
+    snapshot_bytes_out: int = 0
+    snapshot_bytes_in: int = 0
     returned: int = 0  # moves rolled back into this engine after the target failed
-    failures: int = 0  # imports this engine refused or could not finish
+    import_failures: int = 0  # snapshots this engine refused
 
     def as_stats(self) -> dict[str, int]:
         return {f"migration_{k}": v for k, v in self.__dict__.items()}
