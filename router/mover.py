@@ -4,6 +4,9 @@ A move is three worker calls: export on the source (the snapshot stays in Ray's 
 store and goes from there straight to the target, never through the router), import on
 the target, then hand-over on the source (its consumer learns where the stream went). A
 target that fails keeps nothing and the stream goes back to its source's queue.
+
+A drained worker's sessions move too: each session's latest prompt blocks that the worker's
+host tier still caches go to the session's new worker, so its next turn is a prefix hit.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import ray
@@ -32,8 +35,14 @@ DRAIN_POLL_S = 0.2
 
 
 class StreamMover:
-    def __init__(self, cfg: MigrationConfig, handles: list[Any], views: list[WorkerView]) -> None:
+    def __init__(
+        self, cfg: MigrationConfig, handles: list[Any], views: list[WorkerView],
+        sessions: OrderedDict[str, int], max_sessions: int,
+    ) -> None:
         self.cfg = cfg
+        self.sessions = sessions  # the router's session -> worker map (shared, not copied)
+        self.max_sessions = max_sessions
+        self.session_prefix: OrderedDict[str, list[int]] = OrderedDict()  # latest prompt
         self.handles = handles
         self.views = views
         self.parked: dict[int, list[ParkedStream]] = {}
@@ -51,6 +60,13 @@ class StreamMover:
             for p in load.get("parked_streams", ())
         ]
 
+    def note_session(self, session: str, hashes: list[int]) -> None:
+        """Remember the block hashes of a session's latest prompt (to move its prefix)."""
+        self.session_prefix[session] = hashes
+        self.session_prefix.move_to_end(session)
+        if len(self.session_prefix) > self.max_sessions:
+            self.session_prefix.popitem(last=False)
+
     def states(self) -> list[WorkerState]:
         return [WorkerState(v.idx, v.alive and v.idx not in self.drained, v.idx in self.draining,
                             v.waiting, v.kv_blocks_free, v.kv_blocks_total,
@@ -63,6 +79,8 @@ class StreamMover:
         return {"migration_streams_out": c["out"], "migration_streams_in": c["in"],
                 "migration_bytes_out": c["bytes_out"], "migration_bytes_in": c["bytes_in"],
                 "migration_failures": c["failures"],
+                "migration_sessions_in": c["sessions_in"],
+                "migration_session_blocks_in": c["session_blocks_in"],
                 "parked_kv_bytes": sum(p.kv_bytes for p in parked),
                 "draining": float(idx in self.draining), "drained": float(idx in self.drained)}
 
@@ -157,9 +175,31 @@ class StreamMover:
                 jobs.append(one(rid, dst))
             moved += sum(await asyncio.gather(*jobs))
             await asyncio.sleep(DRAIN_POLL_S)
+        sessions = await self._move_sessions(idx)
         ray.kill(self.handles[idx], no_restart=True)
         self.draining.discard(idx)
         self.drained.add(idx)
         self.views[idx].alive = False
-        log.warning("worker %d drained (%d streams moved) and stopped", idx, moved)
-        return {"worker": idx, "moved": moved, "drained": True}
+        log.warning("worker %d drained (%d streams, %d sessions moved) and stopped",
+                    idx, moved, sessions)
+        return {"worker": idx, "moved": moved, "sessions": sessions, "drained": True}
+
+    async def _move_sessions(self, src: int) -> int:
+        """Re-pin `src`'s sessions on the other workers, their cached prefixes with them."""
+        load = {v.idx: v.inflight for v in self.views}
+        moved = 0
+        for session in [s for s, i in self.sessions.items() if i == src]:
+            dst = drain_target(self.states(), src, load)
+            if dst is None:
+                break
+            load[dst] = load.get(dst, 0) + 1
+            hashes = self.session_prefix.get(session)
+            if hashes:
+                size_ref, data_ref = self.handles[src].export_prefix.remote(hashes)
+                if await size_ref:
+                    res = await self.handles[dst].import_prefix.remote(data_ref)
+                    self.counts[dst]["session_blocks_in"] += res.get("blocks", 0)
+            self.sessions[session] = dst
+            self.counts[dst]["sessions_in"] += 1
+            moved += 1
+        return moved

@@ -42,8 +42,9 @@ class RouterActor:
             for i in range(self.cfg.num_workers)
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
-        self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views)
         self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
+                                 self.sessions, MAX_SESSIONS)
         # a restarted router starts new workers: the ingress refetches handles when this changes
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
@@ -92,6 +93,7 @@ class RouterActor:
         for h in block_hashes:
             v.pending[h] = expiry
         if session_id:
+            self.mover.note_session(session_id, block_hashes)
             self.sessions[session_id] = d.idx
             self.sessions.move_to_end(session_id)
             if len(self.sessions) > MAX_SESSIONS:

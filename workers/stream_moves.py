@@ -1,4 +1,5 @@
-"""The worker actor's side of stream moves: export, import, hand-over and resume.
+"""The worker actor's side of stream moves: export, import, hand-over and resume; and of
+session moves: a session's cached prefix blocks exported and imported between host tiers.
 
 The router moves a stream in three calls: `export_stream` here (two returns: a small
 verdict and the snapshot bytes, which stay in Ray's object store and go straight to the
@@ -46,3 +47,18 @@ class StreamMoves:
 
     def unfinished_ids(self) -> list[str]:
         return self.engine.unfinished_ids()
+
+    @ray.method(num_returns=2)
+    async def export_prefix(self, hashes: list[int]) -> tuple[int, bytes]:
+        """(bytes, record) of the leading prefix blocks of `hashes` cached on host here."""
+        data = await self.engine.export_prefix(hashes)
+        return len(data), data
+
+    async def import_prefix(self, data: bytes) -> dict[str, Any]:
+        """Cache a session's prefix blocks from another worker: {"blocks"} or {"error"}."""
+        if not data:
+            return {"blocks": 0}
+        try:
+            return {"blocks": await self.engine.import_prefix(data)}
+        except Exception as e:
+            return {"error": str(e)}

@@ -1,8 +1,8 @@
 """Migration and drain on a cluster of its own (real Ray, three workers on the default
 model, worker 0 with a tiny device KV pool), driven through the ingress's Service: parked
 streams move to a worker with room, a move to a dead worker leaves the stream at its source,
-and a drained worker hands its streams over; every output identical to an unmoved run, no
-request failing, no KV left behind. The tests run in order (the last two stop workers)."""
+and a drained worker hands its streams over, its sessions' cached prefixes with them; every
+output identical to an unmoved run, no request failing, no KV left behind. The tests run in order (the last two stop workers)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kvserve.router.router import RouterActor
 from kvserve.sampling import SamplingParams
 
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 512, "max_num_seqs": 16,
-          "host_cache_gib": 0.05}
+          "host_cache_gib": 0.2}
 TINY = {"kv_cache_tokens": 256, "admission_lookahead_tokens": 0}  # 16 blocks, greedy admission
 MAX_TOKENS = 40
 
@@ -144,7 +144,14 @@ def test_drain_hands_running_streams_over(cluster, svc, smol_llm):
     want = _reference(smol_llm, n)
     handles = ray.get(cluster.workers.remote())
 
+    conv = svc.tokenize(prompt=" ".join(f"Line {k}: the keeper lit the lamp at dusk." for k in range(8)))
+    short = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
     async def run() -> tuple[list[Result], dict[str, Any]]:
+        # an idle conversation on worker 0: the streams below push its blocks to host
+        turn1 = await svc.complete(svc.build(conv, short, await _session_on_worker0(cluster, "conv")))
+        assert turn1.worker_id == "worker-0"
+        conv.extend(turn1.token_ids)
         session = await _session_on_worker0(cluster, "drain")
         tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
         deadline = time.monotonic() + 120
@@ -162,6 +169,16 @@ def test_drain_hands_running_streams_over(cluster, svc, smol_llm):
         ray.get(handles[0].ping.remote(), timeout=30)
     info = ray.get(cluster.server_info.remote())["workers"]
     assert info[0]["stats"]["drained"] == 1 and not info[0]["alive"]
+    # the conversation followed its session: the next turn is a prefix hit on worker 1
+    turn2 = conv + svc.tokenize(prompt=" And then?")
+    stats1 = _stats(cluster)[1]
+    assert drained["sessions"] >= 2 and stats1["migration_session_blocks_in"] > 0
+    nxt = asyncio.run(svc.complete(svc.build(turn2, short, "conv")))
+    assert nxt.worker_id == "worker-1"
+    assert nxt.usage[1] >= stats1["migration_session_blocks_in"] * 16  # cached prompt tokens
+    assert _stats(cluster)[1]["host_prefix_hit_tokens"] > stats1["host_prefix_hit_tokens"]
+    assert nxt.token_ids == smol_llm.generate(
+        [turn2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     _wait_clean(cluster, [1])
     inflight = [w["inflight"] for w in ray.get(cluster.server_info.remote())["workers"]]
     assert inflight == [0, 0, 0]  # each request's router slot followed it and was given back

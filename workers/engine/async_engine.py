@@ -132,6 +132,18 @@ class AsyncLLMEngine:
         async for out in self._consume(stream, request_id):
             yield out
 
+    async def export_prefix(self, hashes: list[int]) -> bytes:
+        """The leading blocks of `hashes` this engine's host tier caches (prefix_snapshot)."""
+        from kvserve.workers.engine.prefix_snapshot import export_prefix
+
+        return await self._call(lambda: export_prefix(self.engine, hashes))
+
+    async def import_prefix(self, data: bytes) -> int:
+        """Cache another engine's prefix blocks in this host tier; returns how many."""
+        from kvserve.workers.engine.prefix_snapshot import import_prefix
+
+        return await self._call(lambda: import_prefix(self.engine, data))
+
     def unfinished_ids(self) -> list[str]:
         """Requests with a consumer here (running, waiting or parked)."""
         return list(self._streams)
