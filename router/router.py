@@ -174,6 +174,12 @@ class RouterActor:
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
 
+    def set_migration(self, enabled: bool) -> bool:
+        """Turn planned migrations on or off at run time (benches, operators); returns the
+        old setting. Explicit moves and drains work either way."""
+        old, self.mover.cfg.enabled = self.mover.cfg.enabled, bool(enabled)
+        return old
+
     def set_max_inflight_per_worker(self, n: int) -> int:
         """Change the overload limit at run time (operators, tests); returns the old one."""
         old, self.cfg.max_inflight_per_worker = self.cfg.max_inflight_per_worker, max(1, int(n))
