@@ -34,7 +34,8 @@ def worker_index(svc: Service, worker: Any) -> int:
 
 
 async def drain(svc: Service, worker: Any, timeout_s: float | None) -> dict[str, Any]:
-    """Drain a worker; {"worker_id", "streams_moved", "drained"} once it has stopped."""
+    """Drain a worker; {"worker_id", "streams_moved", "sessions_moved", "drained"} once it
+    has stopped."""
     idx = worker_index(svc, worker)
     timeout = DEFAULT_DRAIN_TIMEOUT_S if timeout_s is None else timeout_s
     if not timeout > 0:
@@ -42,4 +43,5 @@ async def drain(svc: Service, worker: Any, timeout_s: float | None) -> dict[str,
     res = await svc.router.drain.remote(idx, timeout)
     if "error" in res:
         raise ServiceError("unavailable", f"draining worker-{idx} failed: {res['error']}")
-    return {"worker_id": f"worker-{idx}", "streams_moved": res["moved"], "drained": True}
+    return {"worker_id": f"worker-{idx}", "streams_moved": res["moved"],
+            "sessions_moved": res.get("sessions", 0), "drained": True}

@@ -193,4 +193,5 @@ class GrpcFrontend:
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
         return pb.DrainWorkerResponse(worker_id=res["worker_id"],
-                                      streams_moved=res["streams_moved"], drained=res["drained"])
+                                      streams_moved=res["streams_moved"], drained=res["drained"],
+                                      sessions_moved=res["sessions_moved"])

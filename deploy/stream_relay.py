@@ -39,6 +39,8 @@ class StreamRelay:
                 if "moved_to" in chunk:
                     moved_to = int(chunk["moved_to"])
                     break
+                if "error" in chunk and self.moves:  # the request was fine: the move was not
+                    chunk = {**chunk, "error": "internal"}
                 yield chunk
             if moved_to is None:
                 return

@@ -254,11 +254,13 @@ class DrainWorkerRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class DrainWorkerResponse(_message.Message):
-    __slots__ = ("worker_id", "streams_moved", "drained")
+    __slots__ = ("worker_id", "streams_moved", "drained", "sessions_moved")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STREAMS_MOVED_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_MOVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     streams_moved: int
     drained: bool
-    def __init__(self, worker_id: _Optional[str] = ..., streams_moved: _Optional[int] = ..., drained: _Optional[bool] = ...) -> None: ...
+    sessions_moved: int
+    def __init__(self, worker_id: _Optional[str] = ..., streams_moved: _Optional[int] = ..., drained: _Optional[bool] = ..., sessions_moved: _Optional[int] = ...) -> None: ...
