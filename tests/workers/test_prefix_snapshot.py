@@ -38,7 +38,7 @@ def test_prefix_moves_to_another_host_tier(tiny):
     turn1 = [rng.randrange(100, 40000) for _ in range(60)]
     src = LLM(tiny, kv_cache_tokens=48 * BS, block_size=BS, host_cache_gib=0.001).engine
     out1 = _run(src, turn1, 6)
-    for k in range(3):  # other traffic pushes the first turn's blocks from device to host
+    for _ in range(3):  # other traffic pushes the first turn's blocks from device to host
         _run(src, [rng.randrange(100, 40000) for _ in range(150)], 2)
     hashes = hash_full_blocks(turn1, BS)
     data = export_prefix(src, hashes + [12345])  # the leading run the host tier holds
