@@ -5,6 +5,7 @@ response names the worker that finished it."""
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
@@ -57,8 +58,18 @@ def test_grpc_stream_moved_mid_generation(serve_app, stub):
     moved_in = [a["stats"]["migration_streams_in"] - b["stats"]["migration_streams_in"]
                 for a, b in zip(after, before, strict=True)]
     assert moved_in[int(target[-1])] == 1
-    # the moved request's router slot moved with it and was given back once
+    # the moved request's router slot moved with it and was given back (the ingress gives it
+    # back just after the last chunk: wait for that)
+    deadline = time.monotonic() + 10
+    while any(w["inflight"] for w in after) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = serve_app.server_info()["workers"]
     assert all(w["inflight"] == 0 for w in after)
+    # GetServerInfo shows the move in the target's stats
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md)
+    w = {x.worker_id: x for x in info.workers}[target]
+    assert w.stats["migration_streams_in"] >= 1 and w.stats["migration_bytes_in"] > 0
+    assert w.stats["migration_moved_in"] >= 1 and w.stats["draining"] == 0
 
 
 def test_http_sse_moved_mid_generation(serve_app):
