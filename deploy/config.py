@@ -65,6 +65,20 @@ class ServeConfig(BaseModel):
                     "workers 25 chunks/s per worker shared by its streams (at most 250 ms apart)",
     )
 
+    migration: bool = Field(
+        True, description="move streams parked on a full worker to one with room"
+    )
+    migration_park_threshold_s: float = Field(
+        1.0, ge=0, description="a stream moves once it has been parked this long"
+    )
+    migration_max_inflight: int = Field(4, ge=1, description="stream moves under way at most")
+    migration_min_interval_s: float = Field(
+        5.0, ge=0, description="a stream moves at most once per this many seconds"
+    )
+    migration_headroom: float = Field(
+        0.1, ge=0, le=1, description="share of the target's device KV left free after a move"
+    )
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
@@ -91,6 +105,11 @@ class ServeConfig(BaseModel):
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
             load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
             slot_grace_s=self.slot_grace_s,
+            migration={"enabled": self.migration,
+                       "park_threshold_s": self.migration_park_threshold_s,
+                       "max_inflight": self.migration_max_inflight,
+                       "min_interval_s": self.migration_min_interval_s,
+                       "headroom": self.migration_headroom},
         )
 
     def engine_config(self) -> EngineConfig:

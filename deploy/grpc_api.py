@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from kvserve.deploy import metrics
+from kvserve.deploy import admin, metrics
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
 from kvserve.deploy.service import GenRequest, Service
@@ -200,3 +200,16 @@ class GrpcFrontend:
         ]
         return pb.GetServerInfoResponse(version="0.1.0", model=svc.model_name, workers=workers,
                                         routing_policy=info["routing_policy"])
+
+    async def DrainWorker(
+        self, request: pb.DrainWorkerRequest, grpc_context: Any
+    ) -> pb.DrainWorkerResponse:
+        try:
+            svc = self._authed(grpc_context)
+            timeout = request.timeout_s if request.HasField("timeout_s") else None
+            res = await admin.drain(svc, request.worker_id, timeout)
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        return pb.DrainWorkerResponse(worker_id=res["worker_id"],
+                                      streams_moved=res["streams_moved"], drained=res["drained"],
+                                      sessions_moved=res["sessions_moved"])

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from kvserve.deploy import auth, limits, metrics
+from kvserve.deploy import admin, auth, limits, metrics
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
@@ -88,6 +88,10 @@ class KVServeIngress(GrpcFrontend):
     async def chat_completions(self, body: oa.ChatRequest) -> Any:
         req = oa.chat_request(self.service, body)
         return await oa.respond(self.service, req, body, "chat")
+
+    @app.post("/v1/admin/drain")
+    async def drain(self, body: admin.DrainRequest) -> dict[str, Any]:
+        return await admin.drain(self.service, body.worker, body.timeout_s)
 
     @app.get("/v1/server_info")
     async def server_info(self) -> dict[str, Any]:

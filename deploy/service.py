@@ -23,6 +23,7 @@ from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.slots import Leases, Slot
+from kvserve.deploy.stream_relay import StreamRelay
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
@@ -62,12 +63,12 @@ class Result:
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, router: Any = None) -> None:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
         self.tokenizer = load_tokenizer(resolve_model(cfg.model))
-        self.router = get_or_create_router(cfg.router_config())
+        self.router = router or get_or_create_router(cfg.router_config())
         self.workers: list[Any] = []
         self.epoch = ""
         self.max_model_len = 0
@@ -186,11 +187,13 @@ class Service:
                 if slot.epoch != self.epoch:  # the router was restarted with new workers
                     await self.router.ready.remote()
                     self.epoch, self.workers = await self.router.workers_with_epoch.remote()
-                slot.worker = self.workers[slot.idx]
+                # follows the request when the router moves its stream to another worker
+                relay = StreamRelay(self.workers, slot.idx, req.request_id,
+                                    lambda src, dst, s=slot: self._moved(s, src, dst), slot.slot_id)
+                slot.worker = relay.worker
                 gen = slot.worker.generate.remote(req.request_id, req.prompt_ids, params,
                                                   slot.slot_id)
-                async for ref in gen:
-                    chunk = await ref
+                async for chunk in relay.chunks(gen):
                     if "error" in chunk:
                         slot.finished = True
                         raise ServiceError(chunk["error"], chunk["message"])
@@ -217,6 +220,11 @@ class Service:
             finally:
                 slot.release()  # aborts on the worker too if it did not finish
         raise ServiceError("unavailable", "no worker could take the request (workers died)")
+
+    def _moved(self, slot: Slot, src: int, dst: int) -> None:
+        """The router moved the request's stream: its slot, release and abort follow it."""
+        self.router.move_slot.remote(src, dst, slot.slot_id)
+        slot.idx, slot.worker_id, slot.worker = dst, f"worker-{dst}", self.workers[dst]
 
     async def _pick(
         self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None

@@ -248,3 +248,23 @@ class GetServerInfoResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     routing_policy: str
     def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    timeout_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "streams_moved", "drained", "sessions_moved")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    streams_moved: int
+    drained: bool
+    sessions_moved: int
+    def __init__(self, worker_id: _Optional[str] = ..., streams_moved: _Optional[int] = ..., drained: _Optional[bool] = ..., sessions_moved: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class KVServeStub:
                 request_serializer=kvserve__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=kvserve__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/kvserve.v1.KVServe/DrainWorker',
+                request_serializer=kvserve__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=kvserve__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class KVServeServicer:
@@ -116,6 +121,12 @@ class KVServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_KVServeServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=kvserve__pb2.GetServerInfoRequest.FromString,
                     response_serializer=kvserve__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=kvserve__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=kvserve__pb2.DrainWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class KVServe:
             '/kvserve.v1.KVServe/GetServerInfo',
             kvserve__pb2.GetServerInfoRequest.SerializeToString,
             kvserve__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVServe/DrainWorker',
+            kvserve__pb2.DrainWorkerRequest.SerializeToString,
+            kvserve__pb2.DrainWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

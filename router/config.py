@@ -20,6 +20,9 @@ class RouterConfig:
     model_name: str = ""  # the served name (metrics tag); "" = the model file's stem
     # a slot the worker has not known for this long is dropped as stale (a lost release)
     slot_grace_s: float = 60.0
+    migration: dict[str, Any] = field(default_factory=dict)  # a MigrationConfig as a dict
+    # per worker index: EngineConfig fields that differ from `engine` (e.g. a smaller pool)
+    engine_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
@@ -28,6 +31,9 @@ class RouterConfig:
         if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
             engine["num_threads"] = max(1, node_cores // self.num_workers)
         return engine
+
+    def engine_of(self, idx: int, engine: dict[str, Any]) -> dict[str, Any]:
+        return {**engine, **self.engine_overrides.get(idx, {})}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,6 +17,8 @@ from typing import Any
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
 from kvserve.router.metrics import RouterMetrics
+from kvserve.router.migration import MigrationConfig
+from kvserve.router.mover import StreamMover
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.workers.worker_actor import create_worker
 
@@ -35,7 +37,7 @@ class RouterActor:
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
         engine = self.cfg.worker_engine(available_cores())
         self.handles = [
-            create_worker(f"worker-{i}", engine, self.cfg.num_cpus_per_worker,
+            create_worker(f"worker-{i}", self.cfg.engine_of(i, engine), self.cfg.num_cpus_per_worker,
                           self.cfg.num_gpus_per_worker,
                           stream_interval_ms=self.cfg.stream_interval_ms,
                           model_name=self.cfg.model_name)
@@ -43,6 +45,8 @@ class RouterActor:
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
+                                 self.sessions, MAX_SESSIONS)
         # a restarted router starts new workers: the ingress refetches handles when this changes
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
@@ -55,8 +59,9 @@ class RouterActor:
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
         """Wait until every worker has loaded its model; start polling. Returns model info."""
-        infos = await asyncio.gather(*(h.info.remote() for h in self.handles))
-        for v, info in zip(self.views, infos, strict=True):
+        live = [v for v in self.views if v.idx not in self.mover.drained]  # drained: stopped
+        infos = await asyncio.gather(*(self.handles[v.idx].info.remote() for v in live))
+        for v, info in zip(live, infos, strict=True):
             v.alive, v.incarnation = True, info["incarnation"]
         self._info = infos[0]
         await self._poll_once()
@@ -80,7 +85,8 @@ class RouterActor:
         The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
-        alive = [v for v in self.views if v.alive and v.idx not in exclude]
+        alive = [v for v in self.views if v.alive and v.idx not in exclude
+                 and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
         if not alive:
             return {"error": "unavailable", "message": "no worker is available to take the request"}
         room = [v for v in alive if v.inflight < self.cfg.max_inflight_per_worker]
@@ -99,6 +105,7 @@ class RouterActor:
         for h in block_hashes:
             v.pending[h] = expiry
         if session_id:
+            self.mover.note_session(session_id, block_hashes)
             self.sessions[session_id] = d.idx
             self.sessions.move_to_end(session_id)
             if len(self.sessions) > MAX_SESSIONS:
@@ -118,6 +125,25 @@ class RouterActor:
             return False
         v.inflight = len(v.slots)
         return True
+
+    def move_slot(self, src: int, dst: int, slot_id: str) -> None:
+        """A request's stream moved from worker `src` to `dst`: so does its slot (a slot
+        already released or reconciled away stays gone)."""
+        s, d = self.views[src], self.views[dst]
+        if s.slots.pop(slot_id, None) is None:
+            return
+        d.slots[slot_id] = time.monotonic()
+        s.inflight, d.inflight = len(s.slots), len(d.slots)
+
+    async def move_stream(self, request_id: str, src: int, dst: int) -> dict[str, Any]:
+        """Move one unfinished request's stream to another worker (operators, tests)."""
+        return await self.mover.move(request_id, src, dst)
+
+    async def drain(self, idx: int, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Stop admitting to worker `idx`, move its streams to the others, stop it."""
+        if not 0 <= idx < len(self.views):
+            return {"error": f"no worker {idx}; workers are 0..{len(self.views) - 1}"}
+        return await self.mover.drain(idx, timeout_s)
 
     def report_failure(self, idx: int) -> None:
         """The ingress saw this worker die: stop routing to it until a poll finds it back."""
@@ -139,6 +165,7 @@ class RouterActor:
             await asyncio.sleep(interval)
             try:
                 await self._poll_once()
+                self.mover.tick()
             except Exception:
                 log.exception("polling workers failed")
 
@@ -150,6 +177,7 @@ class RouterActor:
                 v.alive = False
                 return
             self._update(v, load)
+            self.mover.observe(v.idx, load)
 
         await asyncio.gather(*(one(v) for v in self.views))
         self.metrics.workers_alive(self.views)
@@ -193,6 +221,12 @@ class RouterActor:
                             v.reconciled)
         v.inflight = len(v.slots)
 
+    def set_migration(self, enabled: bool) -> bool:
+        """Turn planned migrations on or off at run time (benches, operators); returns the
+        old setting. Explicit moves and drains work either way."""
+        old, self.mover.cfg.enabled = self.mover.cfg.enabled, bool(enabled)
+        return old
+
     def set_max_inflight_per_worker(self, n: int) -> int:
         """Change the overload limit at run time (operators, tests); returns the old one."""
         old, self.cfg.max_inflight_per_worker = self.cfg.max_inflight_per_worker, max(1, int(n))
@@ -215,7 +249,8 @@ class RouterActor:
                  "kv_blocks_free": v.kv_blocks_free, "kv_blocks_total": v.kv_blocks_total,
                  "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
                  "restarts": v.restarts, "reconciled_slots": v.reconciled,
-                 "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases, "stats": dict(v.stats)}
+                 "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases,
+                 "stats": {**v.stats, **self.mover.stats(v.idx)}}
                 for v in self.views
             ],
         }

@@ -118,6 +118,13 @@ class WorkerMetrics:
         self.received.inc()
         return RequestTracker(self)
 
+    def resumed(self) -> RequestTracker:
+        """A stream moved here from another worker: counted as received there, finished here.
+        Its first token, prompt and queue wait were recorded there too."""
+        track = RequestTracker(self)
+        track.first, track.resumed = track.t0, True
+        return track
+
     def poll(self, stats: Mapping[str, Any], in_flight: int) -> None:
         """Export the engine's state (gauges) and its counters' growth since the last poll."""
         self.running.set(in_flight)
@@ -146,6 +153,7 @@ class RequestTracker:
         self.last = 0.0
         self.tokens = 0
         self.done = False
+        self.resumed = False  # continues a stream that began on another worker
 
     def output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -162,6 +170,10 @@ class RequestTracker:
         self.last = now
         self.tokens = out.usage.completion_tokens
 
+    def moved(self) -> None:
+        """The stream left for another worker, which records its end (and all its tokens)."""
+        self.done = True
+
     def finish(self, reason: str) -> None:
         if self.done:
             return
@@ -171,5 +183,5 @@ class RequestTracker:
         m.e2e.observe(time.monotonic() - self.t0)
         if self.tokens > 0:
             m.generation_tokens.inc(self.tokens)
-        if self.first is not None and self.tokens > 1 and reason in ("stop", "length"):
+        if not self.resumed and self.first is not None and self.tokens > 1 and reason in ("stop", "length"):
             m.tpot.observe((self.last - self.first) / (self.tokens - 1))

@@ -26,7 +26,9 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.migration import StreamMoved
 from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
+from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def _chunk_logprobs(outs: list[RequestOutput]) -> tuple[list[float], list[list] 
     return lps, tops
 
 
-class WorkerActor:
+class WorkerActor(StreamMoves):
     """Ray actor body (wrapped with ray.remote by `create_worker`)."""
 
     def __init__(
@@ -128,11 +130,28 @@ class WorkerActor:
             yield {"error": "invalid", "message": f"request id {request_id!r} is in use",
                    "worker_id": self.worker_id}
             return
+        # the engine validates and tokenizes on the first step of this generator (in the pump)
+        outs = self.engine.generate(prompt, sp, request_id)
+        async for chunk in self._chunks(request_id, outs, slot_id, track):
+            yield chunk
+
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
+    async def resume(
+        self, request_id: str, slot_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of a stream imported here, from where its previous worker stopped."""
+        self._ensure_metrics()
+        track = self.metrics.resumed()
+        async for chunk in self._chunks(request_id, self.engine.resume(request_id), slot_id, track):
+            yield chunk
+
+    async def _chunks(
+        self, request_id: str, outs: AsyncIterator[RequestOutput], slot_id: str | None,
+        track: RequestTracker,
+    ) -> AsyncIterator[dict[str, Any]]:
         req = _Request(slot_id)
         self._requests[request_id] = req
-        # the engine validates and tokenizes on the first step of this generator (in the pump)
-        gen = self.engine.generate(prompt, sp, request_id)
-        req.task = asyncio.create_task(self._pump(gen, req, track))
+        req.task = asyncio.create_task(self._pump(outs, req, track))
         sent_at: float | None = None  # when this stream's previous chunk went out
         try:
             while not req.aborted:
@@ -149,6 +168,13 @@ class WorkerActor:
                     if chunk["finish_reason"] is not None:
                         self.served += 1
                         return
+                if req.error is not None and req.outs:
+                    req.event.set()  # outputs that arrived during the yield go first
+                    continue
+                if isinstance(req.error, StreamMoved):  # its consumer continues there
+                    track.moved()
+                    yield {"moved_to": req.error.target, "worker_id": self.worker_id}
+                    return
                 if req.error is not None:
                     bad = isinstance(req.error, InvalidRequestError | OutOfKVCacheError)
                     kind = "invalid" if bad else "internal"
@@ -160,8 +186,9 @@ class WorkerActor:
         finally:
             # consumer gone (cancelled/closed) or finished: stop the pump, which aborts the
             # request in the engine and frees its KV if it was still running
-            self._requests.pop(request_id, None)
-            track.finish("abort")  # consumer gone before the end (no-op if it ended)
+            if self._requests.get(request_id) is req:  # a stream moved back may be here anew
+                del self._requests[request_id]
+            track.finish("abort")  # consumer gone before the end (no-op if it ended or moved)
             if not req.task.done():
                 req.task.cancel()
 
@@ -199,6 +226,7 @@ class WorkerActor:
         """Abort a request (its stream ends); KV blocks are freed by the engine."""
         req = self._requests.get(request_id)
         if req is None or req.task is None:
+            self.engine.abort(request_id)  # imported and not resumed yet, or in transit
             return False
         req.aborted = True  # its stream ends too, even if the consumer never reads again
         req.task.cancel()
@@ -221,6 +249,7 @@ class WorkerActor:
             "kv_blocks_total": int(s.get("kv_blocks_total", 0)),
             "streams": len(self._requests),
             "slots": [r.slot_id for r in self._requests.values() if r.slot_id and not r.aborted],
+            "parked_streams": self.engine.parked,
             "held": self.engine.engine.held_block_hashes(),
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
         }

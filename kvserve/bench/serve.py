@@ -42,6 +42,7 @@ from kvserve.bench.serve_metrics import (
     format_block,
     parse_goodput,
 )
+from kvserve.bench.serve_migration import apply_skew, compare_migration
 
 DEFAULT_PORTS = {"grpc": 9000, "http": 8000}
 
@@ -101,6 +102,12 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     g.add_argument("--stream-interval-ms", type=float, default=None,
                    help="self-started service: least time between a stream's chunks "
                         "(0 = every engine step; default: the service's automatic pacing)")
+    m = p.add_argument_group("skewed load and stream migration (self-started service)")
+    m.add_argument("--workers", type=int, default=1, help="workers of the self-started service")
+    m.add_argument("--skew", type=float, default=0.0,
+                   help="share of requests in one session, pinned to one worker (0..1)")
+    m.add_argument("--compare-migration", action="store_true",
+                   help="run the requests with stream migration on, then off")
     p.set_defaults(func=cmd_serve)
 
 
@@ -266,6 +273,12 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--num-warmups must be >= 0, got {a.num_warmups}"
     if a.rounds < 1:
         return f"--rounds must be >= 1, got {a.rounds}"
+    if not 0 <= a.skew <= 1:
+        return f"--skew must be in [0, 1], got {a.skew}"
+    if a.workers < 1:
+        return f"--workers must be >= 1, got {a.workers}"
+    if a.compare_migration and (a.target == "engine" or a.compare_engine or a.host or a.port):
+        return "--compare-migration runs a self-started grpc or http service on its own"
     if a.target == "engine" and a.compare_engine:
         return "--compare-engine compares a grpc or http target with the engine"
     if a.target == "engine" and (a.host or a.port):
@@ -299,7 +312,8 @@ def _bench(a: argparse.Namespace) -> int:
     from kvserve.workers.loading.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(a.model))
-    requests = build_requests(a, tok, a.seed, a.num_prompts, a.random_output_len)
+    requests = apply_skew(build_requests(a, tok, a.seed, a.num_prompts, a.random_output_len),
+                          a.skew, a.seed)
     warmups = build_requests(a, tok, a.seed + 7919, a.num_warmups, 4)
     runs: dict[str, dict[str, Any]] = {}
 
@@ -341,11 +355,17 @@ def _bench(a: argparse.Namespace) -> int:
         if a.target != "engine" and a.host is None and a.port is None:
             from kvserve.bench.serve_service import start_service
 
-            service = start_service(engine_config(a), a.api_key, a.stream_interval_ms)
+            service = start_service(engine_config(a), a.api_key, a.stream_interval_ms,
+                                    a.workers, pin_sessions=a.skew > 0)
             host, port = "127.0.0.1", service.port(a.target)
 
+    moved: dict[str, int] | None = None
     try:
-        if a.compare_engine and a.rounds > 1:
+        if a.compare_migration:
+            start()
+            moved = compare_migration(a, lambda: _client(a, host, port), requests, warmups,
+                                      bench_one, record)
+        elif a.compare_engine and a.rounds > 1:
             start()
             pause = service.paused if service is not None else contextlib.nullcontext
             outcomes = asyncio.run(bench_interleaved(
@@ -373,6 +393,8 @@ def _bench(a: argparse.Namespace) -> int:
         "rounds": min(a.rounds, a.num_prompts) if a.compare_engine else 1,
         "runs": runs,
     }
+    if moved is not None:
+        report["workers"], report["skew"], report["streams_moved"] = a.workers, a.skew, moved
     if a.compare_engine:
         c = compare(runs["engine"]["metrics"], runs[a.target]["metrics"])
         report["comparison"] = c

@@ -103,6 +103,7 @@ class GrpcClient:
             model=self.model,
             prompt_token_ids=req.prompt_ids,
             sampling=pb.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True),
+            session_id=req.session_id,
         )
         t = _Timing(req)
         try:
@@ -163,6 +164,8 @@ class HttpClient:
         }
         if self.model:
             body["model"] = self.model
+        if req.session_id:
+            body["session_id"] = req.session_id
         t = _Timing(req)
         try:
             async with self.session.post(self.url, json=body, headers=self.headers) as resp:

@@ -25,6 +25,7 @@ class BenchRequest:
     prompt: str  # the text sent to text-only APIs
     prompt_ids: list[int]  # what the server's tokenizer makes of `prompt`
     output_len: int
+    session_id: str | None = None  # --skew: pins the request to one worker's session
 
     @property
     def prompt_len(self) -> int:

@@ -64,9 +64,11 @@ class BenchService:
 
 
 def start_service(
-    engine: Any, api_key: str | None = None, stream_interval_ms: float | None = None
+    engine: Any, api_key: str | None = None, stream_interval_ms: float | None = None,
+    num_workers: int = 1, pin_sessions: bool = False,
 ) -> BenchService:
-    """Deploy the app with one worker running `engine` (an EngineConfig); wait until ready."""
+    """Deploy the app with `num_workers` workers running `engine` (an EngineConfig); wait
+    until ready. `pin_sessions`: a session stays on its worker however loaded (--skew)."""
     import ray
 
     from kvserve.deploy.config import ServeConfig
@@ -75,11 +77,12 @@ def start_service(
     if ray.is_initialized():
         raise RuntimeError("bench serve starts its own Ray; pass --host to use a running service")
     settings = engine.model_dump(exclude={"model"}, exclude_defaults=True)
-    cfg = ServeConfig(model=engine.model, num_workers=1, engine=settings,
+    cfg = ServeConfig(model=engine.model, engine=settings,
                       grpc_port=_free_port(), http_port=_free_port(),
                       api_keys=[api_key] if api_key else [],
-                      stream_interval_ms=stream_interval_ms)
-    print(f"bench serve: starting the service (1 worker, {engine.num_threads} threads) ...",
+                      stream_interval_ms=stream_interval_ms, num_workers=num_workers,
+                      max_imbalance=1_000_000 if pin_sessions else 4)
+    print(f"bench serve: starting the service ({num_workers} worker(s), {engine.num_threads} threads each) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # the workers' logs stay in Ray's log files: the bench prints only its own figures

@@ -5,31 +5,43 @@ forward pass. Requests and aborts reach the loop through thread-safe inboxes and
 are applied between steps; each step's outputs go back to the callers' event
 loops with call_soon_threadsafe. Cancelling (or abandoning) the consumer of
 `generate` aborts the request and frees its KV blocks.
+
+Stream moves run on the step thread too, between steps: `export_stream` takes a request
+out (its consumer waits, in transit), then `hand_over` tells that consumer where it went
+(StreamMoved) or `import_stream` of the same snapshot puts it back. An imported stream's
+outputs wait for a consumer (`resume`); one nobody claims within CLAIM_TIMEOUT_S is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvserve.config import EngineConfig
+from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.migration import MoveCounters, ParkedTracker, StreamMoved
 from kvserve.workers.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+CLAIM_TIMEOUT_S = 60.0  # an imported stream nobody resumes by then is aborted
 
 
 class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.imported_at = 0.0  # set while an imported stream waits for its consumer
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         try:
@@ -48,6 +60,13 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = \
+            queue.SimpleQueue()
+        self._moving: dict[str, _Stream] = {}  # exported, consumer waiting for the verdict
+        self._unclaimed: dict[str, _Stream] = {}  # imported, no consumer yet
+        self.moves = MoveCounters()
+        self._parked = ParkedTracker()
+        self.parked: list[dict[str, Any]] = []  # parked streams, oldest first (router's view)
         self._stats: dict[str, Any] = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -68,12 +87,16 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._adds.put((seq, stream))
         self._wake.set()
+        async for out in self._consume(stream, rid):
+            yield out
+
+    async def _consume(self, stream: _Stream, rid: str) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    finished = True  # StreamMoved included: the request lives on elsewhere
                     raise item
                 if item.finished:
                     finished = True
@@ -84,13 +107,54 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
+    # ---- stream moves (each runs on the step thread, between steps) ------------------------
+    async def export_stream(self, request_id: str) -> bytes:
+        """Take an unfinished request out as a snapshot; its consumer waits for the verdict
+        (`hand_over`, or `import_stream` of this snapshot to take it back)."""
+        return await self._call(lambda: self._export(request_id))
+
+    async def import_stream(self, data: bytes) -> str:
+        """Queue a snapshot's stream as parked here; returns its request id. A stream this
+        engine exported gets its waiting consumer back; any other waits for `resume`."""
+        loop = asyncio.get_running_loop()
+        return await self._call(lambda: self._import(data, loop))
+
+    async def hand_over(self, request_id: str, target: int) -> bool:
+        """Tell an exported stream's consumer that it moved to worker `target`; False when
+        that consumer is gone (the request was aborted in transit)."""
+        return await self._call(lambda: self._hand_over(request_id, target))
+
+    async def resume(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The outputs of an imported stream from where its previous engine stopped."""
+        stream = await self._call(lambda: self._unclaimed.pop(request_id, None))
+        if stream is None:
+            raise InvalidRequestError(f"no imported stream {request_id!r} waits to be resumed")
+        async for out in self._consume(stream, request_id):
+            yield out
+
+    async def export_prefix(self, hashes: list[int]) -> bytes:
+        """The leading blocks of `hashes` this engine's host tier caches (prefix_snapshot)."""
+        from kvserve.workers.engine.prefix_snapshot import export_prefix
+
+        return await self._call(lambda: export_prefix(self.engine, hashes))
+
+    async def import_prefix(self, data: bytes) -> int:
+        """Cache another engine's prefix blocks in this host tier; returns how many."""
+        from kvserve.workers.engine.prefix_snapshot import import_prefix
+
+        return await self._call(lambda: import_prefix(self.engine, data))
+
+    def unfinished_ids(self) -> list[str]:
+        """Requests with a consumer here (running, waiting or parked)."""
+        return list(self._streams)
+
     def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
         self._wake.set()
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of the last step (read without stopping the loop)."""
-        return dict(self._stats)
+        return {**self._stats, **self.moves.as_stats()}
 
     def shutdown(self) -> None:
         self._stop = True
@@ -103,7 +167,7 @@ class AsyncLLMEngine:
         while not self._stop:
             self._drain()
             if not eng.has_unfinished():
-                self._stats = eng.stats()
+                self._refresh()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
@@ -122,8 +186,12 @@ class AsyncLLMEngine:
                 if not st.put(out) and not out.finished:
                     eng.abort(out.request_id)
                     self._streams.pop(out.request_id, None)
-            self._stats = eng.stats()
+            self._refresh()
         self._fail_all(RuntimeError("engine shut down"))
+
+    def _refresh(self) -> None:
+        self._stats = self.engine.stats()
+        self.parked = self._parked.view(self.engine)
 
     def _drain(self) -> None:
         eng = self.engine
@@ -146,9 +214,78 @@ class AsyncLLMEngine:
                 break
             eng.abort(rid)
             self._streams.pop(rid, None)
+            self._moving.pop(rid, None)
+            self._unclaimed.pop(rid, None)
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+        now = time.monotonic()
+        for rid, st in list(self._unclaimed.items()):
+            if now - st.imported_at > CLAIM_TIMEOUT_S:
+                log.warning("imported stream %s was never resumed; aborting it", rid)
+                eng.abort(rid)
+                self._streams.pop(rid, None)
+                del self._unclaimed[rid]
+
+    def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        self._wake.set()
+        return asyncio.wrap_future(fut)
+
+    def _export(self, rid: str) -> bytes:
+        if rid in self._unclaimed:  # its consumer is still on the way from the last move
+            raise InvalidRequestError(f"request {rid!r} has not been resumed here yet")
+        data = self.engine.export_stream(rid)
+        st = self._streams.pop(rid, None)
+        if st is not None:
+            self._moving[rid] = st
+        self.moves.moved_out += 1
+        self.moves.snapshot_bytes_out += len(data)
+        return data
+
+    def _import(self, data: bytes, loop: asyncio.AbstractEventLoop) -> str:
+        try:
+            rid = self.engine.import_stream(data)
+        except Exception:
+            self.moves.import_failures += 1
+            raise
+        st = self._moving.pop(rid, None)
+        if st is not None:  # a move of ours that failed: the stream is back, same consumer
+            self.moves.moved_out -= 1
+            self.moves.snapshot_bytes_out -= len(data)
+            self.moves.returned += 1
+        else:
+            st = _Stream(loop)
+            st.imported_at = time.monotonic()
+            self._unclaimed[rid] = st
+            self.moves.moved_in += 1
+            self.moves.snapshot_bytes_in += len(data)
+        self._streams[rid] = st
+        return rid
+
+    def _hand_over(self, rid: str, target: int) -> bool:
+        st = self._moving.pop(rid, None)
+        if st is None:
+            return False
+        return st.put(StreamMoved(rid, target))
 
     def _fail_all(self, err: BaseException) -> None:
-        for rid, st in list(self._streams.items()):
+        for rid, st in [*self._streams.items(), *self._moving.items()]:
             self.engine.abort(rid)
             st.put(err)
         self._streams.clear()
+        self._moving.clear()
+        self._unclaimed.clear()
+        while True:  # nobody will run these any more
+            try:
+                _fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            fut.set_exception(RuntimeError("engine shut down"))

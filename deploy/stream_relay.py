@@ -1,0 +1,52 @@
+"""One logical stream per request, whichever workers serve it.
+
+A worker whose stream was moved ends it with a {"moved_to": idx} item; the relay then
+continues from that worker's `resume`. Both sides know which tokens were delivered (the
+snapshot carries the output so far and the detokenizer state), so the client sees each
+token exactly once, and the final worker's `usage` counts the whole request. The router
+moves the request's slot with the stream (`on_move`), so the one to release is the last
+worker's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+
+class StreamRelay:
+    def __init__(
+        self, workers: list[Any], idx: int, request_id: str,
+        on_move: Callable[[int, int], Any], slot_id: str | None = None,
+    ) -> None:
+        self.workers = workers
+        self.idx = idx  # the worker serving the stream now
+        self.request_id = request_id
+        self.on_move = on_move  # moves the request's router slot along (src, dst)
+        self.slot_id = slot_id  # the target reports it to the router as its own
+        self.moves = 0
+
+    @property
+    def worker(self) -> Any:
+        return self.workers[self.idx]
+
+    async def chunks(self, first: Any) -> AsyncIterator[dict[str, Any]]:
+        """Chunks of `first` (a worker's streaming generator), then of each worker the
+        stream moves to; the move markers themselves are not passed on."""
+        gen = first
+        while True:
+            moved_to: int | None = None
+            async for ref in gen:
+                chunk = await ref
+                if "moved_to" in chunk:
+                    moved_to = int(chunk["moved_to"])
+                    break
+                if "error" in chunk and self.moves:  # the request was fine: the move was not
+                    chunk = {**chunk, "error": "internal"}
+                yield chunk
+            if moved_to is None:
+                return
+            # Ray runs one caller's calls to an actor in order: this lands before the release
+            self.on_move(self.idx, moved_to)
+            self.idx, self.moves = moved_to, self.moves + 1
+            gen = self.worker.resume.remote(self.request_id, self.slot_id)

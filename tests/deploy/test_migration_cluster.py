@@ -1,0 +1,198 @@
+"""Migration and drain on a cluster of its own (real Ray, three workers on the default
+model, worker 0 with a tiny device KV pool), driven through the ingress's Service: parked
+streams move to a worker with room, a move to a dead worker leaves the stream at its source,
+and a drained worker hands its streams over, its sessions' cached prefixes with them; every
+output identical to an unmoved run, no request failing, no KV left behind. The tests run in order (the last two stop workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from kvserve.deploy import admin
+from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.service import Result, Service
+from kvserve.router.config import RouterConfig
+from kvserve.router.router import RouterActor
+from kvserve.sampling import SamplingParams
+
+ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 512, "max_num_seqs": 16,
+          "host_cache_gib": 0.2}
+TINY = {"kv_cache_tokens": 256, "admission_lookahead_tokens": 0}  # 16 blocks, greedy admission
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    own = not ray.is_initialized()
+    if own:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    cfg = RouterConfig(num_workers=3, engine=ENGINE, num_cpus_per_worker=0.5,
+                       max_imbalance=100, load_poll_interval_s=0.5, engine_overrides={0: TINY},
+                       migration={"park_threshold_s": 0.5, "min_interval_s": 2.0})
+    router = ray.remote(RouterActor).options(num_cpus=0, max_concurrency=1000).remote(
+        cfg.to_dict())
+    ray.get(router.ready.remote())
+    try:
+        yield router
+    finally:
+        ray.kill(router)
+        if own:
+            ray.shutdown()
+
+
+def _prompt(i: int) -> str:
+    return f"Story {i}: once upon a time, in a village by the sea, a child named Ana{i} found"
+
+
+def _reference(smol_llm, n: int) -> list[list[int]]:
+    p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.token_ids for o in smol_llm.generate([_prompt(i) for i in range(n)], p)]
+
+
+@pytest.fixture(scope="module")
+def svc(cluster) -> Service:
+    """The ingress's request path, in this process, on the cluster's router."""
+    s = Service(ServeConfig(num_workers=3, engine=ENGINE), router=cluster)
+    asyncio.run(s.start())
+    return s
+
+
+async def _run(svc: Service, i: int, session: str, rid: str | None = None) -> Result:
+    req = svc.build(svc.tokenize(prompt=_prompt(i)),
+                    {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}, session, rid)
+    return await svc.complete(req)
+
+
+async def _session_on_worker0(router: Any, session: str) -> str:
+    """Bind `session` to worker 0 (left alone, a new session goes to the emptier worker 1)."""
+    pick = await router.pick.remote([], session, [1, 2])
+    assert pick["idx"] == 0
+    router.release.remote(0)
+    return session
+
+
+def _stats(router: Any) -> list[dict[str, float]]:
+    return [w["stats"] for w in ray.get(router.server_info.remote())["workers"]]
+
+
+def _wait_clean(router: Any, workers: list[int]) -> None:
+    handles = ray.get(router.workers.remote())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        loads = [ray.get(handles[i].load.remote()) for i in workers]
+        if all(ld["stats"]["kv_blocks_used"] == 0 and ld["stats"]["host_blocks_used"] == 0
+               and ld["parked"] == ld["running"] == ld["waiting"] == 0 for ld in loads):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"KV left behind: {[ld['stats'] for ld in loads]}")
+
+
+def _wait_no_inflight(router: Any) -> None:
+    """Every router slot given back (the ingress releases just after the last chunk)."""
+    deadline = time.monotonic() + 10
+    while True:
+        inflight = [w["inflight"] for w in ray.get(router.server_info.remote())["workers"]]
+        if not any(inflight) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert inflight == [0, 0, 0]
+
+
+def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
+    n = 6
+    want = _reference(smol_llm, n)
+
+    async def run() -> list[Result]:
+        session = await _session_on_worker0(cluster, "hot")
+        return await asyncio.gather(*(_run(svc, i, session) for i in range(n)))
+
+    before = _stats(cluster)
+    got = asyncio.run(run())
+    after = _stats(cluster)
+    assert [r.token_ids for r in got] == want
+    assert all(r.finish_reason == "length" and r.usage[2] == MAX_TOKENS for r in got)
+    assert after[0]["evictions"] > before[0]["evictions"]  # the pressure parked streams
+    moved = sum(after[i]["migration_streams_in"] - before[i]["migration_streams_in"]
+                for i in (1, 2))
+    assert moved >= 1 and after[0]["migration_streams_out"] - before[0]["migration_streams_out"] \
+        == moved
+    assert after[0]["migration_bytes_out"] > before[0]["migration_bytes_out"]
+    assert sum(r.worker_id != "worker-0" for r in got) >= 1  # finished where they moved
+    _wait_clean(cluster, [0, 1, 2])
+    _wait_no_inflight(cluster)
+
+
+def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smol_llm):
+    want = _reference(smol_llm, 1)
+    handles = ray.get(cluster.workers.remote())
+    ray.kill(handles[2], no_restart=True)  # the target is gone when the import is sent
+
+    async def run() -> tuple[Result, dict[str, Any]]:
+        session = await _session_on_worker0(cluster, "fail")
+        task = asyncio.create_task(_run(svc, 0, session, "to-the-dead"))
+        while "to-the-dead" not in await handles[0].unfinished_ids.remote():
+            await asyncio.sleep(0.05)
+        moved = await cluster.move_stream.remote("to-the-dead", 0, 2)
+        return await task, moved
+
+    before = _stats(cluster)
+    got, moved = asyncio.run(run())
+    assert "error" in moved and moved["returned"], moved
+    assert got.token_ids == want[0] and got.worker_id == "worker-0"
+    after = _stats(cluster)
+    assert after[2]["migration_failures"] == before[2]["migration_failures"] + 1
+    assert after[0]["migration_returned"] == before[0]["migration_returned"] + 1
+    _wait_clean(cluster, [0, 1])
+
+
+def test_drain_hands_running_streams_over(cluster, svc, smol_llm):
+    n = 8
+    want = _reference(smol_llm, n)
+    handles = ray.get(cluster.workers.remote())
+
+    conv = svc.tokenize(prompt=" ".join(f"Line {k}: the keeper lit the lamp at dusk." for k in range(8)))
+    short = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    first_prompt: list[int] = []
+
+    async def run() -> tuple[list[Result], dict[str, Any]]:
+        # an idle conversation on worker 0: the streams below push its blocks to host
+        turn1 = await svc.complete(svc.build(conv, short, await _session_on_worker0(cluster, "conv")))
+        assert turn1.worker_id == "worker-0"
+        first_prompt.extend(conv)
+        conv.extend(turn1.token_ids)
+        session = await _session_on_worker0(cluster, "drain")
+        tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
+        deadline = time.monotonic() + 120
+        while len(await handles[0].unfinished_ids.remote()) < n:
+            assert time.monotonic() < deadline, "the streams never all reached worker 0"
+            await asyncio.sleep(0.05)
+        drained = await admin.drain(svc, "worker-0", 300.0)  # what DrainWorker runs
+        return await asyncio.gather(*tasks), drained
+
+    got, drained = asyncio.run(run())
+    assert drained["drained"] and drained["worker_id"] == "worker-0", drained
+    assert [r.token_ids for r in got] == want
+    assert all(r.worker_id == "worker-1" for r in got)
+    with pytest.raises(ray.exceptions.RayActorError):  # the drained worker exited for good
+        ray.get(handles[0].ping.remote(), timeout=30)
+    info = ray.get(cluster.server_info.remote())["workers"]
+    assert info[0]["stats"]["drained"] == 1 and not info[0]["alive"]
+    # the conversation followed its session: the next turn is a prefix hit on worker 1
+    turn2 = conv + svc.tokenize(prompt=" And then?")
+    stats1 = _stats(cluster)[1]
+    assert drained["sessions_moved"] >= 2 and stats1["migration_session_blocks_in"] > 0
+    nxt = asyncio.run(svc.complete(svc.build(turn2, short, "conv")))
+    assert nxt.worker_id == "worker-1"
+    # every full block of the first turn's prompt, which worker 1 never computed, came over
+    assert nxt.usage[1] >= len(first_prompt) // 16 * 16
+    assert _stats(cluster)[1]["host_prefix_hit_tokens"] > stats1["host_prefix_hit_tokens"]
+    assert nxt.token_ids == smol_llm.generate(
+        [turn2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    _wait_clean(cluster, [1])
+    _wait_no_inflight(cluster)  # each request's router slot followed it and was given back
