@@ -119,10 +119,10 @@ class WorkerMetrics:
         return RequestTracker(self)
 
     def resumed(self) -> RequestTracker:
-        """A stream moved here from another worker: counted as received there, finished here.
-        Its first token, prompt and queue wait were recorded there too."""
+        """A stream moved here from another worker: counted as received there, finished here
+        (its end-to-end time and time per token are this worker's share)."""
         track = RequestTracker(self)
-        track.first, track.resumed = track.t0, True
+        track.resumed = True
         return track
 
     def poll(self, stats: Mapping[str, Any], in_flight: int) -> None:
@@ -154,9 +154,14 @@ class RequestTracker:
         self.tokens = 0
         self.done = False
         self.resumed = False  # continues a stream that began on another worker
+        self.base: int | None = None  # a resumed stream's tokens before it came here
 
     def output(self, out: RequestOutput) -> None:
         now = time.monotonic()
+        if self.resumed and self.base is None:
+            self.base = out.usage.completion_tokens - len(out.delta_token_ids)
+            if self.base > 0:  # its first token, prompt and queue wait were recorded there
+                self.first = self.t0
         if self.first is None and out.usage.completion_tokens > 0:
             self.first = now
             m = self.m
@@ -183,5 +188,11 @@ class RequestTracker:
         m.e2e.observe(time.monotonic() - self.t0)
         if self.tokens > 0:
             m.generation_tokens.inc(self.tokens)
-        if not self.resumed and self.first is not None and self.tokens > 1 and reason in ("stop", "length"):
+        if reason not in ("stop", "length") or self.first is None:
+            return
+        if self.resumed:  # the tokens made here, from the resume on
+            made = self.tokens - (self.base or 0)
+            if made > 0:
+                m.tpot.observe((self.last - self.t0) / made)
+        elif self.tokens > 1:
             m.tpot.observe((self.last - self.first) / (self.tokens - 1))
