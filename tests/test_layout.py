@@ -65,7 +65,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def test_every_package_says_what_lives_there():
-    for pkg, folder in FOLDERS.items():
+    for _pkg, folder in FOLDERS.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             doc = ast.get_docstring(ast.parse(init.read_text()))
             assert doc and "later" not in doc, f"{init} needs a docstring saying what lives there"
