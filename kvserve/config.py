@@ -19,7 +19,7 @@ class EngineConfig(BaseModel):
         "auto", description="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA"
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flash"] = "auto"
     max_model_len: int | None = Field(
         None, ge=1, description="cap on prompt + output tokens; default = the model's context"
     )
