@@ -34,6 +34,9 @@ class EngineConfig(BaseModel):
     admission_lookahead_tokens: int = Field(
         128, ge=0, description="free KV kept per running stream when admitting new prompts"
     )
+    enforce_eager: bool = Field(
+        False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs"
+    )
     quantized_decode: bool = Field(
         True, description="CPU float32: small-batch linears read the GGUF's quantized blocks"
     )

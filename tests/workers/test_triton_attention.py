@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles the kernel
+import torch
+
+if not torch.cuda.is_available():  # CPU: Triton's interpreter, set before the kernel compiles
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is in the test extra")
 
@@ -18,7 +20,7 @@ from kvserve.kvcache.device_cache import DeviceKVCache  # noqa: E402
 from kvserve.workers.model.attention import AttentionMetadata  # noqa: E402
 from kvserve.workers.model.attention_triton import TritonAttention, build_tiles  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def _reference(q, kc, vc, tables, ctxs, qlens, bs):

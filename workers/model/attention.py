@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvserve.kvcache.device_cache import DeviceKVCache
@@ -27,6 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
     block_size: int
     prepared: Any = field(default=None)  # backend-specific, built once per step
+    block_table_array: np.ndarray | None = None  # [S, max_blocks], when the runner built it
 
     @property
     def num_streams(self) -> int:

@@ -2,7 +2,8 @@
 
 The CUDA default when triton imports. `prepare` turns the step's per-stream lengths
 into the kernel's tiles and a padded block-table array with numpy (no per-token
-Python) and sends both to the device in one copy; every layer reuses them.
+Python); the runner sends them to the device with its own step inputs in one copy, and
+every layer reuses them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.model.attention import AttentionMetadata
+from kvserve.workers.model.step_inputs import to_device
 from kvserve.workers.model.triton_paged_attention import paged_attention
 
 PREFILL_TILE = 16  # query tokens per tile when a step has prefill chunks
@@ -21,13 +23,13 @@ PREFILL_TILE = 16  # query tokens per tile when a step has prefill chunks
 
 @dataclass
 class TritonStep:
-    tables: torch.Tensor  # [S, max_blocks] int32
-    tiles: torch.Tensor  # [4, num_tiles] int32: stream, first q row, tokens, position
+    tables: torch.Tensor  # [S, max_blocks] int64
+    tiles: torch.Tensor  # [4, num_tiles] int64: stream, first q row, tokens, position
     block_q: int
 
 
 def build_tiles(query_lens: np.ndarray, context_lens: np.ndarray, block_q: int) -> np.ndarray:
-    """[4, num_tiles] int32: a stream's query tokens in tiles of at most `block_q`."""
+    """[4, num_tiles] int64: a stream's query tokens in tiles of at most `block_q`."""
     q = query_lens.astype(np.int64)
     per = -(-q // block_q)
     n = int(per.sum())
@@ -35,7 +37,7 @@ def build_tiles(query_lens: np.ndarray, context_lens: np.ndarray, block_q: int) 
     first_tile = np.cumsum(per) - per
     off = (np.arange(n) - np.repeat(first_tile, per)) * block_q
     q_start = np.cumsum(q) - q
-    out = np.empty((4, n), dtype=np.int32)
+    out = np.empty((4, n), dtype=np.int64)
     out[0] = stream
     out[1] = np.repeat(q_start, per) + off
     out[2] = np.minimum(block_q, np.repeat(q, per) - off)
@@ -44,10 +46,10 @@ def build_tiles(query_lens: np.ndarray, context_lens: np.ndarray, block_q: int) 
 
 
 def pad_tables(tables: list[list[int]], seq_lens: np.ndarray, block_size: int) -> np.ndarray:
-    """[S, max_blocks] int32 of the blocks each stream's KV uses (zero-padded)."""
+    """[S, max_blocks] int64 of the blocks each stream's KV uses (zero-padded)."""
     used = -(-seq_lens // block_size)
     width = max(1, int(used.max()) if len(used) else 1)
-    out = np.zeros((len(tables), width), dtype=np.int32)
+    out = np.zeros((len(tables), width), dtype=np.int64)
     for i, t in enumerate(tables):  # one row copy per stream, not per token
         n = int(used[i])
         out[i, :n] = t[:n]
@@ -57,18 +59,23 @@ def pad_tables(tables: list[list[int]], seq_lens: np.ndarray, block_size: int) -
 class TritonAttention:
     name = "triton"
 
-    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+    def host_plan(self, meta: AttentionMetadata) -> list[np.ndarray]:
+        """The kernel's integer inputs for this step (the runner copies them with its own)."""
         qlens = np.asarray(meta.query_lens, dtype=np.int64)
         ctxs = np.asarray(meta.context_lens, dtype=np.int64)
         block_q = 1 if int(qlens.max()) == 1 else PREFILL_TILE
-        tiles = build_tiles(qlens, ctxs, block_q)
-        tables = pad_tables(meta.block_tables, qlens + ctxs, meta.block_size)
-        host = torch.from_numpy(np.concatenate([tiles.ravel(), tables.ravel()]))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        buf = host.to(device, non_blocking=True)
-        n = tiles.size
-        meta.prepared = TritonStep(buf[n:].view(tables.shape), buf[:n].view(tiles.shape), block_q)
+        tables = meta.block_table_array
+        if tables is None:
+            tables = pad_tables(meta.block_tables, qlens + ctxs, meta.block_size)
+        meta.prepared = block_q
+        return [build_tiles(qlens, ctxs, block_q), tables]
+
+    def bind(self, meta: AttentionMetadata, arrays: list[torch.Tensor]) -> None:
+        tiles, tables = arrays
+        meta.prepared = TritonStep(tables, tiles, meta.prepared)
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        self.bind(meta, to_device(self.host_plan(meta), device))
 
     def forward(
         self,

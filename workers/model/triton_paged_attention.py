@@ -26,8 +26,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # q/o: [T, Hq, D]; k/v: one layer, [num_blocks * BS, Hkv, D]
-    tables_ptr, table_stride,  # [S, max_blocks] int32
-    tile_stream_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr,  # [num_tiles] int32 each
+    tables_ptr, table_stride,  # [S, max_blocks] int32 or int64
+    tile_stream_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr,  # [num_tiles] each
     sm_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -93,7 +93,7 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # empty (padding) tiles: no 0/0
     o_off = (row0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -106,8 +106,8 @@ def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, BS, Hkv, D] (one layer)
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
-    tiles: torch.Tensor,  # [4, num_tiles] int32: stream, first q row, tokens, position
+    block_tables: torch.Tensor,  # [S, max_blocks] int32/int64
+    tiles: torch.Tensor,  # [4, num_tiles] int32/int64: stream, first q row, tokens, position
     block_q: int,
     out: torch.Tensor | None = None,
     block_n: int = 32,
