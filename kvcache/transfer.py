@@ -67,10 +67,13 @@ class BlockCopier:
         self._inflight: list[Transfer] = []
         self._lock = threading.Lock()
         self.bytes_copied = 0
-        self.copy_s = 0.0  # wall time of the synchronous copies (bandwidth figure)
+        self.copy_s = 0.0  # time of the timed copies (bandwidth figure)
         self.timed_bytes = 0
-        self.seconds = {"out": 0.0, "in": 0.0}  # synchronous copies, device->host / host->device
-        self.blocks = {"out": 0, "in": 0}
+        # CPU: wall time of the synchronous copies; CUDA: CUDA-event time of every copy
+        self._seconds = {"out": 0.0, "in": 0.0}  # device->host / host->device
+        self._blocks = {"out": 0, "in": 0}
+        # CUDA copies whose events have not been read yet: (start, end, blocks, direction)
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int, str]] = []
 
     def _nbytes(self, n: int) -> int:
         return n * self.dev[:, :, 0].numel() * self.dev.element_size()
@@ -90,7 +93,7 @@ class BlockCopier:
         else:
             self.to_host(dev_ids, host_ids)
             return Transfer(0)
-        self.bytes_copied += nbytes  # not timed: bandwidth counts the synchronous copies
+        self.bytes_copied += nbytes  # CPU: not timed (bandwidth counts the synchronous copies)
         with self._lock:
             # finish completed copies in issue order only: a later copy into a reused host
             # block must land after an earlier one into the same block
@@ -104,16 +107,20 @@ class BlockCopier:
 
     def _cuda_copy_out(self, dev_ids: list[int], host_ids: list[int], nbytes: int) -> Transfer:
         # side stream after the compute stream (it reads KV the forward wrote), into a
-        # pinned staging buffer; the scatter into the host pool runs once the event fired
+        # pinned staging buffer; the scatter into the host pool runs once the event fired.
+        # The host never waits here: no synchronisation in the step.
         assert self.side is not None
-        ev = torch.cuda.Event()
+        start, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.side.wait_stream(torch.cuda.current_stream(self.dev.device))
         with torch.cuda.stream(self.side):
-            didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
+            start.record(self.side)
+            didx = torch.tensor(dev_ids, dtype=torch.long).to(self.dev.device, non_blocking=True)
             data = self.dev.index_select(2, didx)
             staging = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
             staging.copy_(data, non_blocking=True)
             ev.record(self.side)
+        with self._lock:
+            self._timing.append((start, ev, len(dev_ids), "out"))
         hidx = torch.tensor(host_ids, dtype=torch.long)
         return Transfer(nbytes, event=ev, finish=lambda: self.host.index_copy_(2, hidx, staging))
 
@@ -126,15 +133,17 @@ class BlockCopier:
         the coming forward overwrites)."""
         if not dev_ids:
             return
-        t0 = time.perf_counter()
         if self.cuda:
             t = self._cuda_copy_out(dev_ids, host_ids, self._nbytes(len(dev_ids)))
             assert t.event is not None
+            # the compute stream waits for the copy on the device; the host does not
             torch.cuda.current_stream(self.dev.device).wait_event(t.event)
             with self._lock:
                 self._inflight.append(t)
-        else:
-            self._copy_out(dev_ids, host_ids)
+            self.bytes_copied += self._nbytes(len(dev_ids))
+            return
+        t0 = time.perf_counter()
+        self._copy_out(dev_ids, host_ids)
         self._timed(t0, len(dev_ids), "out")
 
     def _copy_out(self, dev_ids: list[int], host_ids: list[int]) -> None:
@@ -145,14 +154,26 @@ class BlockCopier:
         if not host_ids:
             return
         self.wait_all()
-        t0 = time.perf_counter()
         if self.cuda:
-            data = self.host.index_select(2, torch.tensor(host_ids, dtype=torch.long))
-            data = data.pin_memory().to(self.dev.device, non_blocking=True)
-            didx = torch.tensor(dev_ids, dtype=torch.long, device=self.dev.device)
+            # gather straight into pinned memory, then one non-blocking copy on the compute
+            # stream (the forward that follows reads these blocks)
+            hidx = torch.tensor(host_ids, dtype=torch.long)
+            shape = (*self.host.shape[:2], len(host_ids), *self.host.shape[3:])
+            staging = torch.empty(shape, dtype=self.host.dtype, pin_memory=True)
+            torch.index_select(self.host, 2, hidx, out=staging)
+            stream = torch.cuda.current_stream(self.dev.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            data = staging.to(self.dev.device, non_blocking=True)
+            didx = torch.tensor(dev_ids, dtype=torch.long).to(self.dev.device, non_blocking=True)
             self.dev.index_copy_(2, didx, data)
-        else:
-            copy_runs(self.dev, dev_ids, self.host, host_ids)
+            end.record(stream)
+            with self._lock:
+                self._timing.append((start, end, len(host_ids), "in"))
+            self.bytes_copied += self._nbytes(len(host_ids))
+            return
+        t0 = time.perf_counter()
+        copy_runs(self.dev, dev_ids, self.host, host_ids)
         self._timed(t0, len(host_ids), "in")
 
     def wait_all(self) -> None:
@@ -178,10 +199,40 @@ class BlockCopier:
         self.copy_s += dt
         self.bytes_copied += self._nbytes(n)
         self.timed_bytes += self._nbytes(n)
-        self.seconds[direction] += dt
-        self.blocks[direction] += n
+        self._seconds[direction] += dt
+        self._blocks[direction] += n
+
+    def settle(self, block: bool = False) -> None:
+        """Fold finished CUDA copies' event times into the figures (all of them, waiting for
+        the events, when `block`); reporting only, never called in a step."""
+        with self._lock:
+            pending, self._timing = self._timing, []
+        keep = []
+        for start, end, n, direction in pending:
+            if not block and not end.query():
+                keep.append((start, end, n, direction))
+                continue
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+            self.copy_s += dt
+            self.timed_bytes += self._nbytes(n)
+            self._seconds[direction] += dt
+            self._blocks[direction] += n
+        with self._lock:
+            self._timing = keep + self._timing
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        self.settle(block=True)
+        return self._seconds
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        self.settle(block=True)
+        return self._blocks
 
     def gbps(self) -> float:
+        self.settle()
         return self.timed_bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ class EngineConfig(BaseModel):
         "auto", description="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA"
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flash"] = "auto"
     max_model_len: int | None = Field(
         None, ge=1, description="cap on prompt + output tokens; default = the model's context"
     )
@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     )
     admission_lookahead_tokens: int = Field(
         128, ge=0, description="free KV kept per running stream when admitting new prompts"
+    )
+    enforce_eager: bool = Field(
+        False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs"
     )
     quantized_decode: bool = Field(
         True, description="CPU float32: small-batch linears read the GGUF's quantized blocks"

@@ -116,18 +116,40 @@ def cmd_batched(a: argparse.Namespace) -> int:
             bar.update(1)
     if bar is not None:
         bar.close()
+    if runner.device.type == "cuda":
+        add_roofline(runner, rows)
     print(format_table(rows))
     if a.json:
         write_json(a.json, {"machine": machine_info(torch.get_num_threads()), "results": rows})
     return 0
 
 
+def add_roofline(runner: Any, rows: list[dict[str, float]]) -> None:
+    """Each row's decode roofline (tokens/s) at its mean context, and S_TG's fraction of it."""
+    from kvserve.bench.roofline import copy_bandwidth_gbps, roofline_for
+
+    gbps = copy_bandwidth_gbps(runner.device)
+    for r in rows:
+        r["copy_GBps"] = gbps
+        r["ROOF_TG"] = roofline_for(runner, gbps, int(r["B"]), r["PP"] + r["TG"] / 2)
+        r["FRAC_TG"] = r["S_TG"] / r["ROOF_TG"]
+
+
 def format_table(rows: list[dict[str, float]]) -> str:
     head = "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+    roof = bool(rows) and "ROOF_TG" in rows[0]
+    if roof:  # CUDA: S_TG against the decode roofline (bench/roofline.py)
+        head += " ROOF t/s | of roof |"
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        lines.append(
+        line = (
             f"| {r['PP']:5d} | {r['TG']:6d} | {r['B']:4d} | {r['N_KV']:6d} | {r['T_PP']:8.3f} | "
             f"{r['S_PP']:8.2f} | {r['T_TG']:8.3f} | {r['S_TG']:8.2f} | {r['T']:8.3f} | {r['S']:8.2f} |"
         )
+        if roof:
+            line += f" {r['ROOF_TG']:8.0f} | {r['FRAC_TG']:7.1%} |"
+        lines.append(line)
+    if roof:
+        lines.append(f"roofline: weights + attended KV per decode step over {rows[0]['copy_GBps']:.0f} "
+                     "GB/s measured device-to-device copy bandwidth")
     return "\n".join(lines)

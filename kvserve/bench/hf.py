@@ -5,6 +5,7 @@ static-batch `generate` and, where this transformers has it, continuous-batching
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import time
 import traceback
@@ -94,6 +95,41 @@ def run_generate(
     return res, tokens
 
 
+def _accepted(fn: Any) -> set[str] | None:
+    """Keyword names `fn` takes; None when it takes any (**kwargs)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+# ContinuousBatchingConfig renamed its fields across transformers releases: try each name
+_CB_ALIASES = {"page_size": ("page_size", "block_size"), "block_size": ("block_size", "page_size")}
+
+
+def make_cb_config(cls: Any, wanted: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Build `cls` (transformers' ContinuousBatchingConfig) from the fields this version
+    takes, under whichever of their names it uses. Returns the config and the fields it
+    does not take (so a report can say what the baseline ran without)."""
+    names = _accepted(cls.__init__)
+    kwargs: dict[str, Any] = {}
+    dropped: dict[str, Any] = {}
+    for key, value in wanted.items():
+        for name in _CB_ALIASES.get(key, (key,)):
+            if names is None or name in names:
+                kwargs[name] = value
+                break
+        else:
+            dropped[key] = value
+    return cls(**kwargs), dropped
+
+
+def supported_kwargs(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments `fn` accepts, from `kwargs` (optional extras only)."""
+    names = _accepted(fn)
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+
+
 def run_generate_batch(
     model: Any, prompts: list[list[int]], args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[list[int]]]:
@@ -115,7 +151,8 @@ def run_generate_batch(
     with Timer() as timer:
         results = model.generate_batch(
             inputs=prompts, generation_config=config(args.output_len),
-            progress_bar=args.progress, record_timestamps=True,
+            **supported_kwargs(model.generate_batch, progress_bar=args.progress,
+                               record_timestamps=True),
         )
     outs = list(results.values())  # in input order
     failed = [o.error for o in outs if o.error is not None]
@@ -125,12 +162,16 @@ def run_generate_batch(
     # Each call builds a fresh manager: it sizes and allocates a paged cache from free RAM and
     # runs its own warm-up before taking requests. The figures time the generation itself,
     # from the first request's arrival to the last one's end; call_s includes the setup.
-    start = min(o.created_time for o in outs)
-    res = figures(timer, prompts, tokens, elapsed=max(o.lifespan[1] for o in outs) - start)
+    if all(hasattr(o, "created_time") and hasattr(o, "lifespan") for o in outs):
+        start = min(o.created_time for o in outs)
+        res = figures(timer, prompts, tokens, elapsed=max(o.lifespan[1] for o in outs) - start)
+    else:  # an older GenerationOutput: time the whole call
+        start = timer.t0
+        res = figures(timer, prompts, tokens)
     res["call_s"] = timer.elapsed
     # process CPU time cannot be split between setup and generation: report it for the call
     res["call_cpu_per_wall"] = res.pop("cpu_per_wall")
-    if all(o.timestamps for o in outs):
+    if all(getattr(o, "timestamps", None) for o in outs):
         res["prefill_s"] = max(o.timestamps[0] for o in outs) - start  # type: ignore[index]
         res["decode_s"] = res["elapsed_s"] - res["prefill_s"]
     return res, tokens
@@ -172,12 +213,19 @@ def run_hf_continuous(
     """HF continuous batching with a per-request output length (EOS ignored, greedy).
 
     `cb_config` goes to transformers' ContinuousBatchingConfig (e.g. num_blocks and
-    block_size to give HF the same KV budget as kvserve). Returns (figures, tokens in input
-    order); the figures time the generation from the first add to the last result.
+    page_size to give HF the same KV budget as kvserve), under the names the installed
+    version uses; fields it does not take are listed in the figures' "cb_config_dropped".
+    Returns (figures, tokens in input order); the figures time the generation from the
+    first add to the last result.
     """
+    import transformers
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    ContinuousBatchingConfig = getattr(transformers, "ContinuousBatchingConfig", None) or getattr(
+        transformers.generation.configuration_utils, "ContinuousBatchingConfig", None)
+    if ContinuousBatchingConfig is None or not hasattr(model, "continuous_batching_context_manager"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no ContinuousBatchingConfig "
+                           "/ continuous_batching_context_manager: no continuous-batching baseline")
     if len(prompts) != len(max_new_tokens):
         raise ValueError("one max_new_tokens per prompt")
     eos = _eos_ids(model)
@@ -185,10 +233,11 @@ def run_hf_continuous(
         do_sample=False, max_new_tokens=max(max_new_tokens), eos_token_id=-1,
         pad_token_id=eos[0] if eos else 0, suppress_tokens=eos or None,
     )
-    cbc = ContinuousBatchingConfig(**(cb_config or {}))
+    cbc, dropped = make_cb_config(ContinuousBatchingConfig, cb_config or {})
     results: dict[str, Any] = {}
+    cm_kwargs = supported_kwargs(model.continuous_batching_context_manager, warmup=warmup)
     with model.continuous_batching_context_manager(
-        generation_config=gen, continuous_batching_config=cbc, block=True, timeout=5, warmup=warmup
+        generation_config=gen, continuous_batching_config=cbc, block=True, timeout=5, **cm_kwargs
     ) as manager, progress_bar(progress, sum(max_new_tokens), "hf continuous") as bar:
         if warmup:  # one short request through the whole loop, untimed
             manager.add_request(prompts[0][:8], request_id="warm", max_new_tokens=2, eos_token_id=-1)
@@ -210,4 +259,7 @@ def run_hf_continuous(
                     results[r.request_id] = r
                     bar.update(len(r.generated_tokens))
     tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(prompts))]
-    return figures(timer, prompts, tokens), tokens
+    res = figures(timer, prompts, tokens)
+    if dropped:
+        res["cb_config_dropped"] = sorted(dropped)
+    return res, tokens

@@ -128,6 +128,15 @@ def run_kvserve(
     res = figures(timer, prompts, tokens)
     res["load_s"] = load_s
     res["preemptions"] = engine.scheduler.num_preemptions
+    if engine.runner.device.type == "cuda":
+        from kvserve.bench.roofline import copy_bandwidth_gbps, roofline_for
+
+        # decode at the largest batch the workload allows, at its mean context
+        batch = min(args.max_num_seqs, len(prompts))
+        ctx = sum(map(len, prompts)) / len(prompts) + sum(out_lens) / len(out_lens) / 2
+        res["copy_gbps"] = copy_bandwidth_gbps(engine.runner.device)
+        res["roofline_out_tokens_per_s"] = roofline_for(engine.runner, res["copy_gbps"], batch, ctx)
+        res["roofline_fraction"] = res["output_tokens_per_s"] / res["roofline_out_tokens_per_s"]
     return res, prompts, out_lens, tokens, engine.model_config
 
 
@@ -190,5 +199,10 @@ def print_report(r: dict[str, Any]) -> None:
               f"{res['elapsed_s']:>11.2f}{res['output_tokens_per_s']:>11.1f}"
               f"{res['total_tokens_per_s']:>13.1f}{res['gflops']:>9.1f}"
               f"{res['gflops'] / ISSUE_GFLOPS:>6.2f}{ratio:>11}{same:>8}")
+    kv = r["kvserve"]
+    if "roofline_out_tokens_per_s" in kv:
+        print(f"decode roofline (weights + attended KV per step at {kv['copy_gbps']:.0f} GB/s copy "
+              f"bandwidth): {kv['roofline_out_tokens_per_s']:.0f} out tok/s; kvserve reaches "
+              f"{kv['roofline_fraction']:.1%} of it")
     if r["kvserve"].get("cpu_per_wall", m["torch_threads"]) < 0.8 * m["torch_threads"]:
         print("warning: kvserve got less CPU than its threads (other load?); re-run on a quiet machine")

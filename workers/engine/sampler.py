@@ -102,23 +102,31 @@ class Sampler:
 
         tokens = _choose(x, params, generators, self.shared_generator(device))
 
-        token_list = tokens.tolist()
         if logp is None:
-            return SamplerOutput(token_list, None, None)
-        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top: list[list[tuple[int, float]]] | None = None
+            return SamplerOutput(tokens.tolist(), None, None)
+        # everything the host needs comes back in one device-to-host copy (float64 holds
+        # token ids exactly)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         n_max = min(max((p.logprobs or 0) for p in params), V)
+        parts = [tokens.double(), chosen.double()]
         if n_max > 0:
             # One top-k for the widest request; each row keeps its own prefix.
             vals, ids = logp.topk(n_max, dim=-1)
-            vals_l, ids_l = vals.tolist(), ids.tolist()
+            parts += [vals.double().flatten(), ids.double().flatten()]
+        host = torch.cat(parts).cpu()
+        token_list = host[:B].long().tolist()
+        chosen_list = host[B : 2 * B].tolist()
+        top: list[list[tuple[int, float]]] | None = None
+        if n_max > 0:
+            vals_l = host[2 * B : 2 * B + B * n_max].view(B, n_max).tolist()
+            ids_l = host[2 * B + B * n_max :].view(B, n_max).long().tolist()
             top = [
                 list(zip(ids_l[i][: p.logprobs], vals_l[i][: p.logprobs], strict=True))
                 if p.logprobs
                 else []
                 for i, p in enumerate(params)
             ]
-        return SamplerOutput(token_list, chosen, top)
+        return SamplerOutput(token_list, chosen_list, top)
 
 
 def _apply_bans(

@@ -36,6 +36,7 @@ class Sequence:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
+        self._all: list[int] = list(prompt_ids)  # prompt + output, grown in place
         self.params = params
         self.generator = generator
         self.arrival = arrival
@@ -68,11 +69,16 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt + output ids, one list grown per token (not rebuilt every step); treat
+        it as read-only."""
+        if len(self._all) != len(self.prompt_ids) + len(self.output_ids):  # output_ids replaced
+            self._all = self.prompt_ids + self.output_ids
+        return self._all
 
     def append(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         """Add a sampled token and check every stop condition."""
         self.output_ids.append(token)
+        self._all.append(token)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
         if self.top_logprobs is not None and top is not None:

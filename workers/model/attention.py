@@ -8,9 +8,11 @@ stream follows its own length, never the longest stream's or the pool's.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvserve.kvcache.device_cache import DeviceKVCache
@@ -26,6 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
     block_size: int
     prepared: Any = field(default=None)  # backend-specific, built once per step
+    block_table_array: np.ndarray | None = None  # [S, max_blocks], when the runner built it
 
     @property
     def num_streams(self) -> int:
@@ -57,15 +60,22 @@ class AttentionBackend(Protocol):
 def select_backend(
     name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
 ) -> AttentionBackend:
-    """'torch' always works; 'flash' needs CUDA and vllm-flash-attn; 'auto' prefers flash."""
+    """'torch' always works; 'triton' needs CUDA (or Triton's CPU interpreter) and triton;
+    'flash' needs CUDA and vllm-flash-attn; 'auto' on CUDA prefers triton, then flash."""
     from kvserve.workers.model.attention_torch import TorchAttention
 
     # the C decode kernel covers float32 on the CPU; everything else stays in torch
     use_kernel = device.type == "cpu" and dtype == torch.float32
     if name == "torch":
         return TorchAttention(use_kernel)
-    want_flash = name == "flash" or (name == "auto" and device.type == "cuda")
-    if want_flash:
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            return _triton_backend(device)
+        except (ImportError, RuntimeError) as e:
+            if name == "triton":
+                raise RuntimeError(f"attention backend 'triton' unavailable: {e}") from e
+            log.info("triton attention not usable (%s)", e)
+    if name == "flash" or (name == "auto" and device.type == "cuda"):
         try:
             from kvserve.workers.model.attention_flash import FlashAttention
 
@@ -75,3 +85,12 @@ def select_backend(
                 raise RuntimeError(f"attention backend 'flash' unavailable: {e}") from e
             log.info("vllm-flash-attn not usable (%s); using torch attention", e)
     return TorchAttention(use_kernel)
+
+
+def _triton_backend(device: torch.device) -> AttentionBackend:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError("triton attention runs on CUDA (on the CPU only with TRITON_INTERPRET=1)")
+    from kvserve.workers.model.attention_triton import TritonAttention
+
+    return TritonAttention()

@@ -130,7 +130,8 @@ class TorchAttention:
                 o = F.scaled_dot_product_attention(
                     qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
                 )
-                out[p.q_start] = o.view(hq, d)
+                # CUDA's SDPA may hand back a transposed layout: copy, never view
+                out[p.q_start].view(h, rep, d).copy_(o[0])
                 continue
             # prefill chunk: matmul-bound, so expanding K/V to every query head is cheap
             if rep > 1:

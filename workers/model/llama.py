@@ -114,7 +114,7 @@ class LlamaModel:
             q = self.rope.apply(q.view(n_tok, hq, d), cos, sin)
             k = self.rope.apply(k.view(n_tok, hkv, d), cos, sin)
             o = attn.forward(i, q, k, v.reshape(n_tok, hkv, d), cache, meta)
-            x = x + layer.o(o.view(n_tok, hq * d))
+            x = x + layer.o(o.reshape(n_tok, hq * d))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).split([self.inter, self.inter], dim=-1)
             x = x + layer.down(F.silu(gate) * up)

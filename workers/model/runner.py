@@ -9,6 +9,7 @@ if the forward raises, the reservation is rolled back and the cache is as it was
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,10 @@ from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.loading.loader import LoadedModel
 from kvserve.workers.model.attention import AttentionMetadata, select_backend
 from kvserve.workers.model.llama import LlamaModel
+from kvserve.workers.model.step_inputs import build_step, to_device
+
+if TYPE_CHECKING:  # needs triton: imported only where graphs are used
+    from kvserve.workers.model.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +46,23 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = DeviceKVCache(
-            cfg.num_layers, config.num_blocks, config.block_size,
-            cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-        )
         self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
         log.info("attention backend: %s", self.attn.name)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn.name == "triton"
+        # with CUDA graphs, one block past the pool takes the padding rows' K/V writes
+        self.cache = DeviceKVCache(
+            cfg.num_layers, config.num_blocks + int(use_graphs), config.block_size,
+            cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            from kvserve.workers.model.cuda_graphs import DecodeGraphs
+
+            max_tokens = min(self.max_model_len, config.num_blocks * config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.cache, self.attn, config.max_num_seqs,
+                                       -(-max_tokens // config.block_size), config.num_blocks)
+            log.info("capturing CUDA graphs for decode batches %s", self.graphs.buckets)
+            self.graphs.capture()
         self.host: HostTier | None = None
         host_bytes = (default_host_bytes() if config.host_cache_gib is None
                       else int(config.host_cache_gib * 2**30))
@@ -88,37 +104,25 @@ class ModelRunner:
             self.host.restore([h for h, _ in pairs], [d for _, d in pairs])
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        last: list[int] = []
-        qlens, ctxs, tables = [], [], []
-        for p in plan.streams:
-            toks = plan.token_ids[p.stream_id]
-            if p.target > self.max_model_len:
-                raise ValueError(f"stream {p.stream_id}: {p.target} tokens exceed max_model_len {self.max_model_len}")
-            ids.extend(toks[p.start : p.target])
-            rng = range(p.start, p.target)
-            pos.extend(rng)
-            table = p.block_ids
-            slots.extend(table[i // bs] * bs + i % bs for i in rng)
-            last.append(len(ids) - 1)
-            qlens.append(p.target - p.start)
-            ctxs.append(p.start)
-            tables.append(table)
-        dev = self.device
+        step = build_step(plan, self.block_size, self.max_model_len)
+        if self.graphs is not None and self.graphs.fits(step):
+            return self.graphs.run(step)
         meta = AttentionMetadata(
-            query_lens=qlens, context_lens=ctxs, block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), block_size=bs,
+            query_lens=step.query_lens.tolist(), context_lens=step.context_lens.tolist(),
+            block_tables=[p.block_ids for p in plan.streams], slot_mapping=None,  # type: ignore[arg-type]
+            block_size=self.block_size, block_table_array=step.block_tables,
         )
-        self.attn.prepare(meta, dev)
-        return self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            meta, self.cache, self.attn,
-            torch.tensor(last, dtype=torch.long, device=dev),
-        )
+        dev = self.device
+        extra = self.attn.host_plan(meta) if hasattr(self.attn, "host_plan") else []
+        parts = [step.input_ids, step.positions, step.slot_mapping, step.logits_indices, *extra]
+        views = to_device(parts, dev)
+        ids, pos, slots, last = views[:4]
+        meta.slot_mapping = slots
+        if extra:
+            self.attn.bind(meta, views[4:])  # type: ignore[attr-defined]
+        else:
+            self.attn.prepare(meta, dev)
+        return self.model.forward(ids, pos, meta, self.cache, self.attn, last)
 
     def free(self, stream_id: str) -> None:
         self.kv.free(stream_id)
