@@ -73,7 +73,7 @@ async def _session_on_worker0(router: Any, session: str) -> str:
     """Bind `session` to worker 0 (left alone, a new session goes to the emptier worker 1)."""
     pick = await router.pick.remote([], session, [1, 2])
     assert pick["idx"] == 0
-    router.release.remote(0)
+    router.release.remote(0, pick["slot_id"])
     return session
 
 
