@@ -26,7 +26,7 @@ from kvserve.deploy.slots import Leases, Slot
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
-from kvserve.router.router import get_or_create_router
+from kvserve.router.lifecycle import get_or_create_router
 from kvserve.sampling import SamplingParams, parse_sampling_params
 from kvserve.workers.loading.tokenizer import load_tokenizer
 
