@@ -22,7 +22,7 @@ from ray.exceptions import ObjectLostError, RayActorError
 from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
-from kvserve.deploy.slots import Leases, Slot
+from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
@@ -248,11 +248,13 @@ class Service:
 
         # Shielded: a caller cancelled mid-pick (client gone, a sibling choice failed) must
         # still give back the slot the router counts for it, or the count leaks for good.
-        task = asyncio.ensure_future(call())
+        # Submitted outside the request's Ray task, so Ray's recursive cancellation of a
+        # cancelled request cannot fail a pick the router has already counted.
+        task = asyncio.get_running_loop().create_task(call(), context=outside_request())
         try:
             pick = await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(self._release_unused)
+            task.add_done_callback(self._release_unused, context=outside_request())
             raise
         except RayActorError:  # the router is restarting (Ray brings it back)
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None

@@ -19,7 +19,7 @@ from kvserve.protos import kvserve_pb2_grpc
 
 WORDS = ("a quiet harbour town wakes as boats return with nets full of silver fish while gulls "
          "circle above the market and old sailors trade stories").split()
-ROUNDS, CLIENTS = 3, 32  # HTTP: 96 resets; gRPC: as many cancelled calls
+ROUNDS, CLIENTS = 6, 48  # HTTP: 288 resets; gRPC: as many cancelled calls
 SETTLE_S = 12.0  # well under the router's 60 s grace: only a real release empties the count
 
 
@@ -82,6 +82,19 @@ def _inflight(app) -> list[int]:
     return [w["inflight"] for w in app.server_info()["workers"]]
 
 
+def _ingress_slots(app) -> int | str:
+    """Slots the ingress still holds (a Slot never released), to tell where one was lost."""
+    import urllib.request
+
+    req = urllib.request.Request(app.http_url + "/v1/server_info",
+                                 headers={"authorization": f"Bearer {app.api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read()).get("ingress", {}).get("slots", "?")
+    except OSError as e:
+        return f"unknown ({e})"
+
+
 def _assert_released(app) -> None:
     """Workers idle, then the router's count at 0 within SETTLE_S."""
     import ray
@@ -95,7 +108,8 @@ def _assert_released(app) -> None:
     while (counts := _inflight(app)) != [0] * len(counts):
         assert time.monotonic() < deadline, (
             f"router still counts {counts} requests in flight {SETTLE_S:.0f} s after the "
-            "workers went idle: releases were lost")
+            f"workers went idle: releases were lost (the ingress holds {_ingress_slots(app)} "
+            "live slots)")
         time.sleep(0.3)
 
 
