@@ -1,7 +1,7 @@
 """The Serve ingress deployment: gRPC methods (GrpcFrontend) and the OpenAI HTTP API in one.
 
-Its constructor starts the router actor, which starts the worker actors; the ingress then
-only validates, asks the router for a worker and streams from that worker.
+Its constructor finds (or starts) the detached router actor, which starts the worker actors;
+the ingress then only validates, asks the router for a worker and streams from that worker.
 """
 
 from typing import Any

@@ -116,8 +116,12 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
+    from kvserve.router.lifecycle import kill_router
+
     try:
         serve.shutdown()
+        if ray.is_initialized():
+            kill_router()  # detached: it would outlive Serve (and keep its workers' memory)
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -22,12 +22,12 @@ from ray.exceptions import ObjectLostError, RayActorError
 from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
-from kvserve.deploy.slots import Leases, Slot
+from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.deploy.stream_relay import StreamRelay
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
-from kvserve.router.router import get_or_create_router
+from kvserve.router.lifecycle import get_or_create_router
 from kvserve.sampling import SamplingParams, parse_sampling_params
 from kvserve.workers.loading.tokenizer import load_tokenizer
 
@@ -223,7 +223,9 @@ class Service:
 
     def _moved(self, slot: Slot, src: int, dst: int) -> None:
         """The router moved the request's stream: its slot, release and abort follow it."""
-        self.router.move_slot.remote(src, dst, slot.slot_id)
+        # not a child of the request: a cancellation now must not drop the move (then the
+        # release, sent the same way, would find the slot on the wrong worker)
+        outside_request().run(self.router.move_slot.remote, src, dst, slot.slot_id)
         slot.idx, slot.worker_id, slot.worker = dst, f"worker-{dst}", self.workers[dst]
 
     async def _pick(
@@ -256,11 +258,13 @@ class Service:
 
         # Shielded: a caller cancelled mid-pick (client gone, a sibling choice failed) must
         # still give back the slot the router counts for it, or the count leaks for good.
-        task = asyncio.ensure_future(call())
+        # Submitted outside the request's Ray task, so Ray's recursive cancellation of a
+        # cancelled request cannot fail a pick the router has already counted.
+        task = asyncio.get_running_loop().create_task(call(), context=outside_request())
         try:
             pick = await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(self._release_unused)
+            task.add_done_callback(self._release_unused, context=outside_request())
             raise
         except RayActorError:  # the router is restarting (Ray brings it back)
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None

@@ -12,7 +12,27 @@ The router also drops duplicate releases by slot id.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
+
+
+def outside_request() -> contextvars.Context:
+    """A context whose Ray actor calls are not children of the request being served.
+
+    When Serve cancels a request (client gone), Ray cancels, recursively, every task the
+    request submitted. A `router.release` sent from the request's `finally` would be
+    cancelled before it runs, and a `router.pick` in flight would fail with
+    TaskCancelledError though the router counted it: both lose the release for good. Ray
+    finds the submitting task of an async actor's call in a context variable; clear it."""
+    ctx = contextvars.copy_context()
+    try:
+        from ray import _raylet
+    except ImportError:  # no Ray (unit tests of this module): nothing to detach from
+        return ctx
+    var = getattr(_raylet, "async_task_id", None)
+    if var is not None:
+        ctx.run(var.set, None)
+    return ctx
 
 
 class Slot:
@@ -42,9 +62,10 @@ class Slot:
             return False
         self.released = True
         self._live.pop(self.slot_id, None)
-        self.router.release.remote(self.idx, self.slot_id)
+        ctx = outside_request()  # not cancelled with the request that sends them
+        ctx.run(self.router.release.remote, self.idx, self.slot_id)
         if not self.finished and self.worker is not None:
-            self.worker.abort.remote(self.request_id)  # frees its KV now
+            ctx.run(self.worker.abort.remote, self.request_id)  # frees its KV now
         return True
 
 
@@ -70,3 +91,4 @@ class Leases:
         self.closed = True
         slots, self._slots = self._slots, []
         return sum(s.release() for s in slots)
+

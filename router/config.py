@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,3 +39,8 @@ class RouterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def digest(self) -> str:
+        """Names this configuration: a deployment with another one needs another router."""
+        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

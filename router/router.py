@@ -34,6 +34,7 @@ MAX_SESSIONS = 100_000
 class RouterActor:
     def __init__(self, router_config: dict[str, Any]) -> None:
         self.cfg = RouterConfig(**router_config)
+        self.digest = self.cfg.digest()  # taken before run-time changes (set_slot_grace_s)
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
         engine = self.cfg.worker_engine(available_cores())
         self.handles = [
@@ -68,6 +69,9 @@ class RouterActor:
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
         return self._info
+
+    def config_digest(self) -> str:
+        return self.digest
 
     def workers(self) -> list[Any]:
         return list(self.handles)
@@ -254,13 +258,3 @@ class RouterActor:
                 for v in self.views
             ],
         }
-
-
-def get_or_create_router(router_config: RouterConfig) -> Any:
-    """The router of this Ray cluster (one per application), created on first use."""
-    import ray
-
-    return ray.remote(RouterActor).options(
-        name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-        max_restarts=-1, max_concurrency=1000,
-    ).remote(router_config.to_dict())

@@ -82,4 +82,7 @@ def serve_app() -> Iterator[ServeApp]:
     try:
         yield app
     finally:
+        from kvserve.router.lifecycle import kill_router
+
+        kill_router()  # detached, so killed explicitly (ray.shutdown below ends the rest)
         ray.shutdown()  # stops Serve with the cluster (a graceful serve.shutdown takes ~20 s)

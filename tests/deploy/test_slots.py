@@ -109,3 +109,29 @@ def test_a_stream_whose_send_fails_gives_its_slots_back_without_gc():
         asyncio.run(run())
     finally:
         gc.enable()
+
+
+def test_releases_are_not_children_of_the_request_that_sends_them():
+    """Ray cancels, recursively, the actor calls a cancelled request submitted; it finds the
+    submitter in `ray._raylet.async_task_id`. A release (and abort) sent from a cancelled
+    request's `finally` must not count as its child, or Ray cancels it before it runs."""
+    from ray import _raylet
+
+    seen: list[Any] = []
+
+    class _Recording(_Calls):
+        def remote(self, *args: Any) -> None:
+            seen.append(_raylet.async_task_id.get())
+            super().remote(*args)
+
+    router, worker = _Actor(), _Actor()
+    router.release, worker.abort = _Recording(), _Recording()
+    token = _raylet.async_task_id.set("the-request's-task")
+    try:
+        s = _slot(router, {})
+        s.worker = worker
+        s.release()
+    finally:
+        _raylet.async_task_id.reset(token)
+    assert seen == [None, None]
+    assert router.release.calls == [(1, "r1@0")] and worker.abort.calls == [("r1",)]

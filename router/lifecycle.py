@@ -1,0 +1,69 @@
+"""The router's lifetime: one detached, named actor per Ray cluster, outliving the ingress.
+
+The router is detached so that an ingress replica's death (Serve replaces it) does not take
+the router and the workers it owns down with it: the new replica finds the same router by
+name. Being detached, it is never cleaned up by Ray on its own: `kill_router` does that
+(`kvserve serve`'s shutdown, test fixtures), and a deployment with a different router
+configuration replaces it (the router keeps its configuration's digest).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvserve.router.config import RouterConfig
+from kvserve.router.router import NAMESPACE, ROUTER_NAME, RouterActor
+
+log = logging.getLogger(__name__)
+
+NAME_FREE_TIMEOUT_S = 60.0  # how long a killed router's name may take to be released
+
+
+def find_router(name: str = ROUTER_NAME) -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -> Any:
+    """The router for this configuration: the running one if its configuration is the same,
+    else a new one (the old router and its workers are killed first)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    digest = router_config.digest()
+    old = find_router(name)
+    if old is not None:
+        try:
+            if ray.get(old.config_digest.remote(), timeout=120) == digest:
+                return old
+            log.warning("router: the configuration changed; replacing the router and its workers")
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            log.warning("router: the running router does not answer; replacing it")
+        kill_router(name)
+    return ray.remote(RouterActor).options(
+        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, max_restarts=-1, max_concurrency=1000,
+    ).remote(router_config.to_dict())
+
+
+def kill_router(name: str = ROUTER_NAME) -> bool:
+    """Kill the router (its workers die with it, their owner); returns whether one ran.
+    Waits until its name is free, so a new router can take it."""
+    import ray
+
+    router = find_router(name)
+    if router is None:
+        return False
+    ray.kill(router, no_restart=True)
+    deadline = time.monotonic() + NAME_FREE_TIMEOUT_S
+    while find_router(name) is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the killed router's name {name!r} was not released")
+        time.sleep(0.2)
+    return True
