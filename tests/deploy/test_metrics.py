@@ -288,7 +288,11 @@ def test_latency_histograms_count_the_requests(run):
     assert run.total(f"{P}e2e_request_latency_seconds_count") == finished
     assert run.total(f"{P}time_to_first_token_seconds_count") == with_tokens
     assert run.total(f"{P}queue_wait_seconds_count") == with_tokens
-    assert run.total(f"{P}time_per_output_token_seconds_count") == e["length"]
+    # a stream the router moved mid-burst (a parked one) records no TPOT: its tokens came
+    # from two workers
+    moved = run.total(f"{P}migration_streams_total", direction="in")
+    assert e["length"] - moved <= run.total(f"{P}time_per_output_token_seconds_count") \
+        <= e["length"]
     for h in WORKER_HISTOGRAMS:
         assert run.total(f"{P}{h}_sum") > 0, h
         inf = run.total(f"{P}{h}_bucket", le="+Inf")
