@@ -4,12 +4,17 @@
 decisions are split by where the matched prefix lives, `device_affinity` when the chosen
 worker holds all of it in device memory (or had it routed there just now), else
 `host_affinity` (some of it is only in its host tier).
+
+The migration series count, per worker, the streams and snapshot bytes moved in and out,
+the moves that failed on their target, the sessions re-pinned there, and its drain state.
 """
 
 from __future__ import annotations
 
 from kvserve.router.policy import Decision, WorkerView
 from kvserve.workers.metrics import zero
+
+DRAIN_STATES = {"serving": 0, "draining": 1, "drained": 2}  # kvserve_worker_draining values
 
 # the decision kinds each policy can produce
 POLICY_KINDS = {
@@ -28,7 +33,7 @@ def decision_kind(d: Decision, chosen: WorkerView, block_hashes: list[int]) -> s
 
 
 class RouterMetrics:
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, worker_ids: list[str] = ()) -> None:
         from ray.util.metrics import Counter, Gauge
 
         tags = {"policy": policy}
@@ -44,6 +49,7 @@ class RouterMetrics:
         for kind in POLICY_KINDS.get(policy, ()):
             zero(self.decisions, {"kind": kind})
         zero(self.retries)
+        self.migration = MigrationMetrics(policy, list(worker_ids))
 
     def picked(self, d: Decision, chosen: WorkerView, block_hashes: list[int], retry: bool) -> None:
         self.decisions.inc(tags={"kind": decision_kind(d, chosen, block_hashes)})
@@ -51,5 +57,58 @@ class RouterMetrics:
             self.retries.inc()
 
     def workers_alive(self, views: list[WorkerView]) -> None:
+        """Called after each poll: also re-exports the drain states (Ray exports a gauge's
+        value once per report, so one set once at start would vanish)."""
         self.alive.set(sum(v.alive for v in views))
+        self.migration.refresh()
 
+
+
+class MigrationMetrics:
+    """Stream and session moves and drains, per worker (the mover records them)."""
+
+    def __init__(self, policy: str, worker_ids: list[str]) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        tags = {"policy": policy}
+        keys = ("policy", "worker", "direction")
+        self.streams = Counter("kvserve_migration_streams", "streams moved, by worker and "
+                               "direction", tag_keys=keys).set_default_tags(tags)
+        self.bytes = Counter("kvserve_migration_bytes", "stream snapshot bytes moved, by worker "
+                             "and direction", tag_keys=keys).set_default_tags(tags)
+        self.failures = Counter("kvserve_migration_failures", "moves that failed on their "
+                                "target worker (the stream went back to its source)",
+                                tag_keys=("policy", "worker")).set_default_tags(tags)
+        self.sessions = Counter("kvserve_migration_sessions", "sessions re-pinned to a worker, "
+                                "their host-cached prefix with them",
+                                tag_keys=("policy", "worker")).set_default_tags(tags)
+        self.draining = Gauge("kvserve_worker_draining", "0 serving, 1 draining, 2 drained",
+                              tag_keys=("policy", "worker")).set_default_tags(tags)
+        self.states = {w: "serving" for w in worker_ids}
+        for w in worker_ids:
+            for d in ("in", "out"):
+                zero(self.streams, {"worker": w, "direction": d})
+                zero(self.bytes, {"worker": w, "direction": d})
+            zero(self.failures, {"worker": w})
+            zero(self.sessions, {"worker": w})
+        self.refresh()
+
+    def moved(self, src: str, dst: str, nbytes: int) -> None:
+        for w, d in ((src, "out"), (dst, "in")):
+            self.streams.inc(tags={"worker": w, "direction": d})
+            if nbytes:
+                self.bytes.inc(nbytes, tags={"worker": w, "direction": d})
+
+    def failed(self, dst: str) -> None:
+        self.failures.inc(tags={"worker": dst})
+
+    def session_moved(self, dst: str) -> None:
+        self.sessions.inc(tags={"worker": dst})
+
+    def drain_state(self, worker: str, state: str) -> None:
+        self.states[worker] = state
+        self.draining.set(DRAIN_STATES[state], tags={"worker": worker})
+
+    def refresh(self) -> None:
+        for w, state in self.states.items():
+            self.draining.set(DRAIN_STATES[state], tags={"worker": w})

@@ -7,6 +7,9 @@ target that fails keeps nothing and the stream goes back to its source's queue.
 
 A drained worker's sessions move too: each session's latest prompt blocks that the worker's
 host tier still caches go to the session's new worker, so its next turn is a prefix hit.
+So do those of a session whose affinity gave way (its worker over the imbalance bound or
+full): the copy runs in the background, a bounded number at once, while the turn that moved
+it is served.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from kvserve.router.metrics import MigrationMetrics
 from kvserve.router.migration import (
     MigrationConfig,
     ParkedStream,
@@ -38,8 +42,10 @@ class StreamMover:
     def __init__(
         self, cfg: MigrationConfig, handles: list[Any], views: list[WorkerView],
         sessions: OrderedDict[str, int], max_sessions: int,
+        metrics: MigrationMetrics | None = None,
     ) -> None:
         self.cfg = cfg
+        self.metrics = metrics  # Prometheus export of `counts` and the drain states
         self.sessions = sessions  # the router's session -> worker map (shared, not copied)
         self.max_sessions = max_sessions
         self.session_prefix: OrderedDict[str, list[int]] = OrderedDict()  # latest prompt
@@ -52,6 +58,7 @@ class StreamMover:
         self.drained: set[int] = set()
         self.counts: dict[int, Counter[str]] = {v.idx: Counter() for v in views}
         self._tasks: set[asyncio.Task] = set()
+        self._session_copies: set[asyncio.Task] = set()
 
     # ---- the router's view ------------------------------------------------------------------
     def observe(self, idx: int, load: dict[str, Any]) -> None:
@@ -66,6 +73,49 @@ class StreamMover:
         self.session_prefix.move_to_end(session)
         if len(self.session_prefix) > self.max_sessions:
             self.session_prefix.popitem(last=False)
+
+    def session_routed(self, session: str, old: int | None, new: int, hashes: list[int],
+                       exclude: list[int]) -> bool:
+        """A session's turn was routed to `new`; when affinity gave way (its worker `old` is
+        alive, not excluded by a retry, but over the imbalance bound or full), copy the
+        prompt's blocks `old` caches on host to `new`'s host tier in the background.
+        Returns whether a copy started (at most `max_inflight` run at once; more are skipped:
+        that turn computes its prefix on the new worker, as without a copy)."""
+        if old is None or old == new or old in exclude or not hashes:
+            return False
+        v = self.views[old]
+        if (not v.alive or old in self.draining or old in self.drained
+                or hashes[0] not in v.held_host  # nothing of it on that host tier
+                or len(self._session_copies) >= max(1, self.cfg.max_inflight)):
+            return False
+        task = asyncio.create_task(self._follow(session, old, new, hashes))
+        self._session_copies.add(task)
+        task.add_done_callback(self._session_copies.discard)
+        return True
+
+    async def _follow(self, session: str, src: int, dst: int, hashes: list[int]) -> None:
+        try:
+            blocks = await asyncio.wait_for(self._copy_prefix(src, dst, hashes),
+                                            self.cfg.import_timeout_s)
+        except Exception as e:  # the next turn computes the prefix: slower, still correct
+            log.warning("copying session %s's prefix from worker %d to %d failed: %s",
+                        session, src, dst, e)
+            return
+        if blocks:
+            self.counts[dst]["sessions_in"] += 1
+            if self.metrics:
+                self.metrics.session_moved(self.views[dst].worker_id)
+
+    async def _copy_prefix(self, src: int, dst: int, hashes: list[int]) -> int:
+        """Copy the leading blocks of `hashes` cached on `src`'s host tier to `dst`'s; the
+        record goes from object store to object store, not through the router."""
+        size_ref, data_ref = self.handles[src].export_prefix.remote(hashes)
+        if not await size_ref:
+            return 0
+        res = await self.handles[dst].import_prefix.remote(data_ref)
+        blocks = int(res.get("blocks", 0))
+        self.counts[dst]["session_blocks_in"] += blocks
+        return blocks
 
     def states(self) -> list[WorkerState]:
         return [WorkerState(v.idx, v.alive and v.idx not in self.drained, v.idx in self.draining,
@@ -116,15 +166,19 @@ class StreamMover:
             return {"error": f"export failed: {e}"}
         if "error" in meta:  # finished or aborted meanwhile: nothing to move
             return {"error": meta["error"]}
+        imported = asyncio.ensure_future(self._import(dst, data_ref))
         try:
-            res = await asyncio.wait_for(self.handles[dst].import_stream.remote(data_ref),
-                                         self.cfg.import_timeout_s)
+            res = await asyncio.wait_for(asyncio.shield(imported), self.cfg.import_timeout_s)
         except Exception as e:  # died or stuck mid-import
             if isinstance(e, RayActorError):
                 self.views[dst].alive = False  # until a poll finds it back
+            else:  # a stuck import may still land: the target must not keep that copy
+                imported.add_done_callback(lambda f: self._drop_late_import(f, dst, rid))
             res = {"error": f"{type(e).__name__}: {e}"}
         if "error" in res:
             self.counts[dst]["failures"] += 1
+            if self.metrics:
+                self.metrics.failed(self.views[dst].worker_id)
             log.warning("moving %s to worker %d failed (%s); it goes back to worker %d",
                         rid, dst, res["error"], src)
             back = await self.handles[src].import_stream.remote(data_ref)
@@ -138,14 +192,27 @@ class StreamMover:
         n = int(meta["bytes"])
         self.counts[src].update(out=1, bytes_out=n)
         self.counts[dst].update({"in": 1, "bytes_in": n})
+        if self.metrics:
+            self.metrics.moved(self.views[src].worker_id, self.views[dst].worker_id, n)
         return {"request_id": rid, "src": src, "dst": dst, "bytes": n}
+
+    async def _import(self, dst: int, data_ref: Any) -> dict[str, Any]:
+        return await self.handles[dst].import_stream.remote(data_ref)
+
+    def _drop_late_import(self, f: asyncio.Future, dst: int, rid: str) -> None:
+        """An import the mover gave up on answered after all: abort the target's copy (the
+        stream went back to its source)."""
+        if not f.cancelled() and f.exception() is None and "error" not in f.result():
+            log.warning("worker %d imported %s after the move timed out; aborting its copy",
+                        dst, rid)
+            self.handles[dst].abort.remote(rid)
 
     # ---- drain ----------------------------------------------------------------------------------
     async def drain(self, idx: int, timeout_s: float) -> dict[str, Any]:
         """Stop routing to worker `idx`, move its streams away, then stop it for good."""
         if idx in self.drained:
             return {"worker": idx, "moved": 0, "drained": True}
-        self.draining.add(idx)
+        self._drain_state(idx, "draining")
         deadline = time.monotonic() + timeout_s
         moved = 0
         sem = asyncio.Semaphore(max(1, self.cfg.max_inflight))
@@ -160,7 +227,7 @@ class StreamMover:
             if not ids and self.views[idx].inflight == 0:
                 break
             if time.monotonic() > deadline:
-                self.draining.discard(idx)
+                self._drain_state(idx, "serving")
                 return {"worker": idx, "moved": moved, "drained": False,
                         "error": f"{len(ids)} streams still on worker {idx} after {timeout_s} s"}
             load = {v.idx: v.inflight for v in self.views}
@@ -168,7 +235,7 @@ class StreamMover:
             for rid in ids:
                 dst = drain_target(self.states(), idx, load)
                 if dst is None:
-                    self.draining.discard(idx)
+                    self._drain_state(idx, "serving")
                     return {"worker": idx, "moved": moved, "drained": False,
                             "error": "no other worker is available to take its streams"}
                 load[dst] = load.get(dst, 0) + 1
@@ -177,12 +244,21 @@ class StreamMover:
             await asyncio.sleep(DRAIN_POLL_S)
         sessions = await self._move_sessions(idx)
         ray.kill(self.handles[idx], no_restart=True)
-        self.draining.discard(idx)
         self.drained.add(idx)
+        self._drain_state(idx, "drained")
         self.views[idx].alive = False
         log.warning("worker %d drained (%d streams, %d sessions moved) and stopped",
                     idx, moved, sessions)
         return {"worker": idx, "moved": moved, "sessions": sessions, "drained": True}
+
+    def _drain_state(self, idx: int, state: str) -> None:
+        """Worker `idx` is serving again, draining or drained (sets and gauge agree)."""
+        if state == "draining":
+            self.draining.add(idx)
+        else:
+            self.draining.discard(idx)
+        if self.metrics:
+            self.metrics.drain_state(self.views[idx].worker_id, state)
 
     async def _move_sessions(self, src: int) -> int:
         """Re-pin `src`'s sessions on the other workers, their cached prefixes with them."""
@@ -195,11 +271,10 @@ class StreamMover:
             load[dst] = load.get(dst, 0) + 1
             hashes = self.session_prefix.get(session)
             if hashes:
-                size_ref, data_ref = self.handles[src].export_prefix.remote(hashes)
-                if await size_ref:
-                    res = await self.handles[dst].import_prefix.remote(data_ref)
-                    self.counts[dst]["session_blocks_in"] += res.get("blocks", 0)
+                await self._copy_prefix(src, dst, hashes)
             self.sessions[session] = dst
             self.counts[dst]["sessions_in"] += 1
+            if self.metrics:
+                self.metrics.session_moved(self.views[dst].worker_id)
             moved += 1
         return moved

@@ -46,13 +46,13 @@ class RouterActor:
         ]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
         self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
-                                 self.sessions, MAX_SESSIONS)
+                                 self.sessions, MAX_SESSIONS, self.metrics.migration)
         # a restarted router starts new workers: the ingress refetches handles when this changes
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
         self._info: dict[str, Any] | None = None
-        self.metrics = RouterMetrics(self.policy.name)
         # slots dropped by reconciliation, to tell a premature correction (released later)
         # from a release that never came
         self._reconciled: OrderedDict[str, float] = OrderedDict()
@@ -109,6 +109,7 @@ class RouterActor:
         for h in block_hashes:
             v.pending[h] = expiry
         if session_id:
+            self.mover.session_routed(session_id, sw, d.idx, block_hashes, exclude)
             self.mover.note_session(session_id, block_hashes)
             self.sessions[session_id] = d.idx
             self.sessions.move_to_end(session_id)

@@ -10,6 +10,7 @@ back in this worker's queue, its consumer none the wiser).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import ray
@@ -22,6 +23,9 @@ class StreamMoves:
 
     engine: AsyncLLMEngine
     worker_id: str
+    # fault injection (tests, drills): seconds an import holds its stream before answering,
+    # so a target can die or time out with the stream already in its engine
+    import_delay_s: float = 0.0
 
     @ray.method(num_returns=2)
     async def export_stream(self, request_id: str) -> tuple[dict[str, Any], bytes]:
@@ -37,9 +41,17 @@ class StreamMoves:
         if not data:
             return {"error": "empty snapshot"}
         try:
-            return {"request_id": await self.engine.import_stream(data)}
+            rid = await self.engine.import_stream(data)
         except Exception as e:
             return {"error": str(e)}
+        if self.import_delay_s:
+            await asyncio.sleep(self.import_delay_s)
+        return {"request_id": rid}
+
+    def set_import_delay(self, seconds: float) -> float:
+        """Hold each import's answer this long (fault injection); returns the old delay."""
+        old, self.import_delay_s = self.import_delay_s, max(0.0, float(seconds))
+        return old
 
     async def hand_over(self, request_id: str, target: int) -> bool:
         """Tell the request's consumer here that it continues on worker `target`."""

@@ -42,10 +42,12 @@ WORKER_GAUGES = ["requests_running", "requests_waiting", "kv_device_blocks_used"
                  "streams_running", "streams_parked"]
 WORKER_HISTOGRAMS = ["time_to_first_token_seconds", "time_per_output_token_seconds",
                      "e2e_request_latency_seconds", "queue_wait_seconds"]
+MIGRATION_COUNTERS = ["migration_streams", "migration_bytes", "migration_failures",
+                      "migration_sessions"]  # the router's, per worker
 EXPORTED = sorted(
     [f"{P}{n}_total" for n in [*WORKER_COUNTERS, "requests_rejected", "router_decisions",
-                               "router_retries"]]
-    + [f"{P}{n}" for n in [*WORKER_GAUGES, "router_workers_alive"]]
+                               "router_retries", *MIGRATION_COUNTERS]]
+    + [f"{P}{n}" for n in [*WORKER_GAUGES, "router_workers_alive", "worker_draining"]]
     + [f"{P}{n}_{s}" for n in WORKER_HISTOGRAMS for s in ("bucket", "sum", "count")]
 )
 
@@ -78,7 +80,8 @@ def scrape(port: int) -> Series:
 def kvserve_only(s: Series) -> Series:
     """The metrics of this issue (not the raw engine stats `ray_kvserve_worker_*`, whose
     rates keep changing while idle)."""
-    return {k: v for k, v in s.items() if k[0].startswith(P) and not k[0].startswith(P + "worker_")}
+    return {k: v for k, v in s.items() if k[0].startswith(P)
+            and (not k[0].startswith(P + "worker_") or k[0] == P + "worker_draining")}
 
 
 def settled(port: int, until: Callable[[Series], bool] = lambda s: True,
@@ -259,6 +262,8 @@ def test_every_metric_is_exported_with_its_tags(run):
         keys = {k for k, _ in labels}
         if n.startswith(P + "router_"):
             assert "policy" in keys, n
+        elif n.startswith((P + "migration_", P + "worker_draining")):
+            assert {"policy", "worker"} <= keys, n
         elif n.startswith(P + "requests_rejected"):
             assert ("model", run.model) in labels, n
         else:
@@ -283,7 +288,11 @@ def test_latency_histograms_count_the_requests(run):
     assert run.total(f"{P}e2e_request_latency_seconds_count") == finished
     assert run.total(f"{P}time_to_first_token_seconds_count") == with_tokens
     assert run.total(f"{P}queue_wait_seconds_count") == with_tokens
-    assert run.total(f"{P}time_per_output_token_seconds_count") == e["length"]
+    # a stream the router moved mid-burst (a parked one) records no TPOT: its tokens came
+    # from two workers
+    moved = run.total(f"{P}migration_streams_total", direction="in")
+    assert e["length"] - moved <= run.total(f"{P}time_per_output_token_seconds_count") \
+        <= e["length"]
     for h in WORKER_HISTOGRAMS:
         assert run.total(f"{P}{h}_sum") > 0, h
         inf = run.total(f"{P}{h}_bucket", le="+Inf")
@@ -330,6 +339,19 @@ def test_router_metrics(run):
     assert by_kind["device_affinity"] + by_kind["host_affinity"] >= 1, by_kind
     assert run.total(f"{P}router_retries_total", policy="affinity") == 0
     assert run.now(f"{P}router_workers_alive", policy="affinity") == [2.0]
+
+
+def test_migration_metrics(run):
+    # exported for each worker from the router's start; planned moves may happen in the burst
+    for d in ("in", "out"):
+        assert len(run.now(f"{P}migration_streams_total", direction=d, policy="affinity")) == 2
+    streams = {d: run.total(f"{P}migration_streams_total", direction=d) for d in ("in", "out")}
+    moved = {d: run.total(f"{P}migration_bytes_total", direction=d) for d in ("in", "out")}
+    assert streams["in"] == streams["out"] and moved["in"] == moved["out"], (streams, moved)
+    assert (moved["in"] > 0) == (streams["in"] > 0)
+    assert len(run.now(f"{P}migration_failures_total")) == 2
+    assert run.total(f"{P}migration_failures_total") == 0
+    assert sorted(run.now(f"{P}worker_draining", policy="affinity")) == [0.0, 0.0]
 
 
 def _dashboard_metric_names() -> Callable:

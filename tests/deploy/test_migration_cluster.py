@@ -1,8 +1,10 @@
 """Migration and drain on a cluster of its own (real Ray, three workers on the default
 model, worker 0 with a tiny device KV pool), driven through the ingress's Service: parked
-streams move to a worker with room, a move to a dead worker leaves the stream at its source,
-and a drained worker hands its streams over, its sessions' cached prefixes with them; every
-output identical to an unmoved run, no request failing, no KV left behind. The tests run in order (the last two stop workers)."""
+streams move to a worker with room; a target killed mid-import, or already dead, leaves the
+stream at its source; a session whose worker is full takes its host-cached prefix to its
+new worker; a drained worker hands its streams over, its sessions' cached
+prefixes with them. Every output is identical to an unmoved run, no request fails, no KV is
+left behind. The tests run in order (the last three kill or stop workers)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import ray
 from kvserve.deploy import admin
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.service import Result, Service
+from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.router.config import RouterConfig
 from kvserve.router.router import RouterActor
 from kvserve.sampling import SamplingParams
@@ -73,7 +76,7 @@ async def _session_on_worker0(router: Any, session: str) -> str:
     """Bind `session` to worker 0 (left alone, a new session goes to the emptier worker 1)."""
     pick = await router.pick.remote([], session, [1, 2])
     assert pick["idx"] == 0
-    router.release.remote(0, pick["slot_id"])
+    await router.release.remote(0, pick["slot_id"])
     return session
 
 
@@ -125,6 +128,92 @@ def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
     assert after[0]["migration_bytes_out"] > before[0]["migration_bytes_out"]
     assert sum(r.worker_id != "worker-0" for r in got) >= 1  # finished where they moved
     _wait_clean(cluster, [0, 1, 2])
+    _wait_no_inflight(cluster)
+
+
+def test_a_session_leaving_its_full_worker_takes_its_cached_prefix(cluster, svc, smol_llm):
+    handles = ray.get(cluster.workers.remote())
+    conv = svc.tokenize(prompt=" ".join(f"Entry {k}: the ship left the harbour at noon."
+                                        for k in range(8)))
+    first = hash_full_blocks(conv, 16)
+    short = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+    async def on_host(worker: int) -> bool:
+        return first[0] in (await handles[worker].load.remote())["held"]["host"]
+
+    async def run() -> tuple[Result, Result, int]:
+        turn1 = await svc.complete(svc.build(conv, short, await _session_on_worker0(cluster, "trip")))
+        assert turn1.worker_id == "worker-0"
+        filler = await _session_on_worker0(cluster, "filler")
+        await asyncio.gather(*(_run(svc, i, filler) for i in range(4)))  # evicts it to host
+        assert await on_host(0)
+        await asyncio.sleep(1.5)  # a router poll sees it there
+        old = await cluster.set_max_inflight_per_worker.remote(1)
+        held = await cluster.pick.remote([], None, [1, 2])  # worker 0 is full now
+        try:
+            conv.extend(turn1.token_ids)
+            conv.extend(svc.tokenize(prompt=" And then?"))
+            turn2 = await svc.complete(svc.build(list(conv), short, "trip"))
+        finally:
+            await cluster.release.remote(0, held["slot_id"])
+            await cluster.set_max_inflight_per_worker.remote(old)
+        return turn1, turn2, int(turn2.worker_id.rsplit("-", 1)[1])
+
+    before = _stats(cluster)
+    turn1, turn2, new = asyncio.run(run())
+    assert new != 0
+    deadline = time.monotonic() + 30
+    while _stats(cluster)[new]["migration_sessions_in"] == before[new]["migration_sessions_in"]:
+        assert time.monotonic() < deadline, "the session's prefix never reached its new worker"
+        time.sleep(0.2)
+    after = _stats(cluster)
+    blocks = after[new]["migration_session_blocks_in"] - before[new]["migration_session_blocks_in"]
+    assert blocks >= len(first)  # every full block of the first turn's prompt came over
+    # the next turn stays with the session on its new worker and is a prefix hit there
+    turn3 = conv + svc.tokenize(prompt=" Go on.")
+    nxt = asyncio.run(svc.complete(svc.build(turn3, short, "trip")))
+    assert nxt.worker_id == turn2.worker_id and nxt.usage[1] >= len(first) * 16
+    assert nxt.token_ids == smol_llm.generate(
+        [turn3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    _wait_clean(cluster, [0, 1, 2])
+    _wait_no_inflight(cluster)
+
+
+def test_target_killed_mid_import_returns_the_stream_to_its_source(cluster, svc, smol_llm):
+    want = _reference(smol_llm, 1)
+    handles = ray.get(cluster.workers.remote())
+    ray.get(handles[2].set_import_delay.remote(30.0))  # the stream sits in worker 2's engine
+
+    async def run() -> tuple[Result, dict[str, Any]]:
+        session = await _session_on_worker0(cluster, "mid-import")
+        task = asyncio.create_task(_run(svc, 0, session, "killed-mid-import"))
+        while "killed-mid-import" not in await handles[0].unfinished_ids.remote():
+            await asyncio.sleep(0.05)
+        move = cluster.move_stream.remote("killed-mid-import", 0, 2)
+        deadline = time.monotonic() + 60
+        while "killed-mid-import" not in await handles[2].unfinished_ids.remote():
+            assert time.monotonic() < deadline, "the import never reached worker 2's engine"
+            await asyncio.sleep(0.05)
+        ray.kill(handles[2], no_restart=False)  # Ray restarts it with an empty engine
+        return await task, await move
+
+    before = _stats(cluster)
+    got, moved = asyncio.run(run())
+    assert "error" in moved and moved["returned"], moved
+    assert got.token_ids == want[0] and got.worker_id == "worker-0"
+    assert got.finish_reason == "length" and got.usage[2] == MAX_TOKENS
+    after = _stats(cluster)
+    assert after[2]["migration_failures"] == before[2]["migration_failures"] + 1
+    assert after[0]["migration_streams_out"] == before[0]["migration_streams_out"]
+    deadline = time.monotonic() + 120
+    while True:  # Ray restarts worker 2 (its model loads again)
+        try:
+            ray.get(ray.get(cluster.workers.remote())[2].ping.remote(), timeout=30)
+            break
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "worker 2 never came back"
+            time.sleep(0.5)
+    _wait_clean(cluster, [0, 1, 2])  # the restarted worker 2 holds nothing of it
     _wait_no_inflight(cluster)
 
 
@@ -191,7 +280,10 @@ def test_drain_hands_running_streams_over(cluster, svc, smol_llm):
     assert nxt.worker_id == "worker-1"
     # every full block of the first turn's prompt, which worker 1 never computed, came over
     assert nxt.usage[1] >= len(first_prompt) // 16 * 16
-    assert _stats(cluster)[1]["host_prefix_hit_tokens"] > stats1["host_prefix_hit_tokens"]
+    deadline = time.monotonic() + 10  # the router's stats are those of its last poll
+    while _stats(cluster)[1]["host_prefix_hit_tokens"] <= stats1["host_prefix_hit_tokens"]:
+        assert time.monotonic() < deadline, "worker 1 served no prefix from its host tier"
+        time.sleep(0.2)
     assert nxt.token_ids == smol_llm.generate(
         [turn2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     _wait_clean(cluster, [1])

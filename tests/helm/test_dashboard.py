@@ -32,7 +32,9 @@ WORKER_METRICS = {
 }
 INGRESS_METRICS = {"ray_kvserve_requests_rejected_total"}
 ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retries_total",
-                  "ray_kvserve_router_workers_alive"}
+                  "ray_kvserve_router_workers_alive", "ray_kvserve_migration_streams_total",
+                  "ray_kvserve_migration_bytes_total", "ray_kvserve_migration_failures_total",
+                  "ray_kvserve_migration_sessions_total", "ray_kvserve_worker_draining"}
 EXPORTED = WORKER_METRICS | INGRESS_METRICS | ROUTER_METRICS
 
 
@@ -49,7 +51,8 @@ def test_dashboard_structure():
     assert variables["datasource"]["query"] == "prometheus"
     assert {"model", "worker"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Per-worker load"]
+    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Migration",
+                    "Per-worker load"]
     exprs = []
     for panel in dash["panels"]:
         if panel["type"] == "row":
