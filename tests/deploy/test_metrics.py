@@ -288,8 +288,8 @@ def test_latency_histograms_count_the_requests(run):
     assert run.total(f"{P}e2e_request_latency_seconds_count") == finished
     assert run.total(f"{P}time_to_first_token_seconds_count") == with_tokens
     assert run.total(f"{P}queue_wait_seconds_count") == with_tokens
-    # a stream the router moved mid-burst (a parked one) records no TPOT: its tokens came
-    # from two workers
+    # a stream the router moved mid-burst (a parked one) records the finishing worker's
+    # share, or none when that worker made no token of it
     moved = run.total(f"{P}migration_streams_total", direction="in")
     assert e["length"] - moved <= run.total(f"{P}time_per_output_token_seconds_count") \
         <= e["length"]
