@@ -179,7 +179,7 @@ def test_a_pick_cancelled_midway_gives_its_slot_back(serve_app):
     from kvserve.sampling import SamplingParams
 
     _wait_router_idle(serve_app)
-    svc = Service(serve_app.config)  # an ingress's view of the same router
+    svc = Service(serve_app.config, router=serve_app.router)  # an ingress's view of it
 
     async def go() -> None:
         req = GenRequest("req-cancelled-pick", [1, 2, 3], SamplingParams())
