@@ -39,9 +39,12 @@ LLAMA3_ROPE = {
 
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> Any:
-    """The SmolLM2 tokenizer as transformers builds it from the default GGUF (slow: cached)."""
+    """The SmolLM2 tokenizer as transformers builds it from the default GGUF (slow: cached), or
+    from the HF directory in `KVSERVE_TEST_TOKENIZER` (a GPU host without the default model)."""
     from transformers import AutoTokenizer
 
+    if os.environ.get("KVSERVE_TEST_TOKENIZER"):
+        return AutoTokenizer.from_pretrained(os.environ["KVSERVE_TEST_TOKENIZER"])
     from kvserve.models import default_model
 
     folder, name = os.path.split(default_model())

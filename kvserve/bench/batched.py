@@ -96,7 +96,7 @@ def cmd_batched(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     npp, ntg, npl = _ints(a.npp), _ints(a.ntg), _ints(a.npl)
     need = max(npl) * (max(npp) + max(ntg) + 1)
-    cfg = EngineConfig(model=a.model, kv_cache_tokens=need + 64 * a.block_size,
+    cfg = EngineConfig(model=a.model, kv_cache_tokens=need + 64 * a.block_size, max_num_seqs=max(npl),
                        block_size=a.block_size, enable_prefix_caching=False,
                        max_num_batched_tokens=a.max_num_batched_tokens,
                        quantized_decode=a.quantized_decode)

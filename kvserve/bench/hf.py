@@ -18,8 +18,9 @@ from kvserve.bench.common import Timer, figures, identical, progress_bar
 from kvserve.models import resolve_model
 
 
-def load_hf_model(model: str | None) -> Any:
-    """The same weights kvserve runs, as a transformers float32 model (no hub access)."""
+def load_hf_model(model: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """The same weights kvserve runs, as a transformers model on `device` in `dtype` (float32
+    on the CPU, kvserve's dtype on a GPU; no hub access)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
@@ -27,10 +28,10 @@ def load_hf_model(model: str | None) -> Any:
     if path.endswith(".gguf"):
         # transformers dequantizes GGUF weights to the requested dtype, as kvserve does
         folder, name = os.path.split(path)
-        m = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        m = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
     else:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return m.eval()
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return m.to(device).eval()
 
 
 def _eos_ids(model: Any) -> list[int]:

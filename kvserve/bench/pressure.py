@@ -194,7 +194,9 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], kv_tokens: int,
     try:
         import torch
 
-        model = load_hf_model(args.model)
+        cuda = torch.cuda.is_available()  # kvserve's own device and dtype there
+        model = load_hf_model(args.model, "cuda" if cuda else "cpu",
+                              torch.bfloat16 if cuda else torch.float32)
         bs = args.block_size
         cb: dict[str, Any] = {"page_size": bs, "num_blocks": kv_tokens // bs}
         if torch.cuda.is_available():  # HF's own swap-to-host needs pinned memory: CUDA only

@@ -41,6 +41,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="device KV pool in tokens (default: the whole workload's, so no preemption)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default=None, metavar="FILE")
@@ -97,9 +100,11 @@ def run_kvserve(
     from kvserve.workers.engine.engine import LLMEngine
 
     t0 = time.perf_counter()
+    kv_tokens = args.kv_cache_tokens or max(32768, args.num_seqs * (inp[1] + out[1] + 16))
     engine = LLMEngine(EngineConfig(
         model=args.model, num_threads=threads, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv_tokens,
+        enforce_eager=args.enforce_eager,
     ))
     load_s = time.perf_counter() - t0
     vocab = engine.model_config.vocab_size
@@ -137,7 +142,7 @@ def run_kvserve(
         res["copy_gbps"] = copy_bandwidth_gbps(engine.runner.device)
         res["roofline_out_tokens_per_s"] = roofline_for(engine.runner, res["copy_gbps"], batch, ctx)
         res["roofline_fraction"] = res["output_tokens_per_s"] / res["roofline_out_tokens_per_s"]
-    return res, prompts, out_lens, tokens, engine.model_config
+    return res, prompts, out_lens, tokens, engine.model_config, engine.runner
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -152,7 +157,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         return 2
     threads = args.threads or available_cores()
     torch.set_num_threads(threads)
-    kv, prompts, out_lens, kv_tokens, cfg = run_kvserve(args, threads, inp, out)
+    kv, prompts, out_lens, kv_tokens, cfg, runner = run_kvserve(args, threads, inp, out)
     gflop = workload_gflop(cfg, prompts, out_lens)
     report: dict[str, Any] = {
         "benchmark": "throughput",
@@ -168,7 +173,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         from kvserve.bench.hf import load_hf_model, run_hf_continuous
 
         try:
-            model = load_hf_model(args.model)
+            model = load_hf_model(args.model, str(runner.device), runner.dtype)
             res, tokens = run_hf_continuous(model, prompts, out_lens, progress=args.progress)
             res["gflops"] = gflop / res["elapsed_s"]
             res["speedup_kvserve"] = kv["output_tokens_per_s"] / res["output_tokens_per_s"]

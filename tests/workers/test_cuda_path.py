@@ -1,6 +1,9 @@
 """The CUDA path end to end (needs a GPU): greedy float32 tokens equal transformers' for 16
 mixed-length prompts batched together, bfloat16 logits within tolerance of transformers'
-bfloat16 logits, and CUDA-graph decode equal to eager decode."""
+bfloat16 logits, and CUDA-graph decode equal to eager decode.
+
+The model is the default GGUF, or the HF directory in `KVSERVE_CUDA_TEST_MODEL` (a GPU host
+without the default model's package uses a random-weight model made with transformers)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,13 @@ from kvserve.kvcache.manager import StreamStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
+
+@pytest.fixture(scope="module")
+def model_path(request) -> str:
+    return os.environ.get("KVSERVE_CUDA_TEST_MODEL") or request.getfixturevalue("smol_path")
+
+
 PROMPT_LENS = [3, 7, 12, 18, 25, 31, 40, 47, 55, 64, 80, 96, 111, 128, 150, 200]
 
 
@@ -22,11 +32,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _hf(smol_path: str, dtype: torch.dtype):
+def _hf(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.split(smol_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to("cuda").eval()
+    if os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        folder, name = os.path.split(path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    return model.to("cuda").eval()
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -38,26 +52,26 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])  # torch: SDPA's transposed output
-def test_float32_greedy_batched_equals_transformers(smol_path, backend) -> None:
+def test_float32_greedy_batched_equals_transformers(model_path, backend) -> None:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(smol_path, device="cuda", dtype="float32", kv_cache_tokens=8192,
+    llm = LLM(model_path, device="cuda", dtype="float32", kv_cache_tokens=8192,
               attention_backend=backend)
     assert llm.engine.runner.attn.name == backend
     got = [o.token_ids for o in llm.generate(_prompts(), params)]  # all 16 batched together
-    hf = _hf(smol_path, torch.float32)
+    hf = _hf(model_path, torch.float32)
     want = [_hf_greedy(hf, p, 16) for p in _prompts()]
     assert got == want
 
 
-def test_bfloat16_logits_within_tolerance(smol_path) -> None:
+def test_bfloat16_logits_within_tolerance(model_path) -> None:
     """Last-prompt-token logits of a batched prefill against transformers in bfloat16 on the
     same GPU: bfloat16 keeps 8 mantissa bits, so logits of magnitude ~10-20 differ by
     O(0.1) between two correct implementations; the tolerance is 0.25 absolute plus 2 %."""
-    llm = LLM(smol_path, device="cuda", dtype="bfloat16", kv_cache_tokens=8192)
+    llm = LLM(model_path, device="cuda", dtype="bfloat16", kv_cache_tokens=8192)
     runner = llm.engine.runner
     prompts = _prompts()
     _, logits = runner.execute([StreamStep(f"s{i}", p, len(p)) for i, p in enumerate(prompts)])
-    hf = _hf(smol_path, torch.bfloat16)
+    hf = _hf(model_path, torch.bfloat16)
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([p], device="cuda")).logits[0, -1].float()
@@ -65,11 +79,11 @@ def test_bfloat16_logits_within_tolerance(smol_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_decode_equals_eager(smol_path, dtype) -> None:
+def test_cuda_graph_decode_equals_eager(model_path, dtype) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []
     for eager in (True, False):
-        llm = LLM(smol_path, device="cuda", dtype=dtype, kv_cache_tokens=8192, enforce_eager=eager)
+        llm = LLM(model_path, device="cuda", dtype=dtype, kv_cache_tokens=8192, enforce_eager=eager)
         assert (llm.engine.runner.graphs is None) == eager
         outs.append([o.token_ids for o in llm.generate(_prompts(), params)])
     assert outs[0] == outs[1]

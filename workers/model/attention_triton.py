@@ -87,6 +87,11 @@ class TritonAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cache.write(layer, meta.slot_mapping, k, v)
+        return self.attend(layer, q, cache, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, cache: DeviceKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention only: the step's K/V are already in the cache (the fused RoPE kernel
+        stored them)."""
         kc, vc = cache.layer(layer)
         p: TritonStep = meta.prepared
         return paged_attention(q, kc, vc, p.tables, p.tiles, p.block_q)

@@ -91,6 +91,32 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.inter = cfg.intermediate_size
         self.rope = RotaryEmbedding(cfg, max_positions, device, dtype)
+        # CUDA: the layer's small ops run as fused Triton kernels (workers/model/triton_fused.py)
+        self.fused = device.type == "cuda" and _has_triton()
+
+    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       cache: DeviceKVCache, attn: AttentionBackend,
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        from kvserve.workers.model.triton_fused import add_rms_norm, rope_cache, silu_mul
+
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        n_tok = input_ids.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        res = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        mlp_out: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            h = add_rms_norm(res if mlp_out is None else mlp_out, layer.input_norm, eps,
+                             None if mlp_out is None else res)
+            qkv = layer.qkv(h)
+            kc, vc = cache.layer(i)
+            q = rope_cache(qkv, positions, self.rope.cos, self.rope.sin, kc, vc, meta.slot_mapping,
+                           hq, hkv, d)
+            o = attn.attend(i, q, cache, meta)  # type: ignore[attr-defined]
+            h = add_rms_norm(layer.o(o.reshape(n_tok, hq * d)), layer.post_norm, eps, res)
+            mlp_out = layer.down(silu_mul(layer.gate_up(h)))
+        assert mlp_out is not None
+        last = res[logits_indices] + mlp_out[logits_indices]
+        return self.lm_head(add_rms_norm(last, self.norm, eps)).float()
 
     @torch.inference_mode()
     def forward(
@@ -102,6 +128,8 @@ class LlamaModel:
         attn: AttentionBackend,
         logits_indices: torch.Tensor,  # [B] rows of T whose logits are wanted
     ) -> torch.Tensor:  # [B, vocab] float32
+        if self.fused and hasattr(attn, "attend"):
+            return self._fused_forward(input_ids, positions, meta, cache, attn, logits_indices)
         cfg = self.cfg
         n_tok = input_ids.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -120,3 +148,11 @@ class LlamaModel:
             x = x + layer.down(F.silu(gate) * up)
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
         return self.lm_head(x).float()
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

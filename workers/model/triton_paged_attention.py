@@ -111,6 +111,8 @@ def paged_attention(
     block_q: int,
     out: torch.Tensor | None = None,
     block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of every query token over its own stream's paged KV (causal)."""
     t, hq, d = q.shape
@@ -136,5 +138,6 @@ def paged_attention(
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p),
         HEAD_DIM=d, HEAD_DIM_P=max(16, _pow2(d)), BS=bs, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
