@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is in the test extra")
 from kvserve.kvcache.device_cache import DeviceKVCache  # noqa: E402
 from kvserve.workers.model.attention import AttentionMetadata  # noqa: E402
 from kvserve.workers.model.attention_triton import TritonAttention, build_tiles  # noqa: E402
+from kvserve.workers.model.triton_paged_attention import paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
@@ -41,7 +42,7 @@ def _reference(q, kc, vc, tables, ctxs, qlens, bs):
     return out
 
 
-def _run(streams, hq=4, hkv=4, d=16, bs=4, dtype=torch.float32, seed=0):
+def _run(streams, hq=4, hkv=4, d=16, bs=4, dtype=torch.float32, seed=0, splits=None):
     """streams: (cached context, new tokens) per stream; blocks are handed out shuffled."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // bs) for c, n in streams]
@@ -63,7 +64,12 @@ def _run(streams, hq=4, hkv=4, d=16, bs=4, dtype=torch.float32, seed=0):
     v = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEVICE)
     attn = TritonAttention()
     attn.prepare(meta, torch.device(DEVICE))
-    out = attn.forward(0, q, k, v, cache, meta)
+    if splits is None:
+        out = attn.forward(0, q, k, v, cache, meta)
+    else:  # decode tiles with the keys split `splits` ways
+        cache.write(0, meta.slot_mapping, k, v)
+        p = meta.prepared
+        out = paged_attention(q, *cache.layer(0), p.tables, p.tiles, p.block_q, splits=splits)
     kc, vc = cache.layer(0)
     want = _reference(q.cpu(), kc.cpu(), vc.cpu(), tables, ctxs, qlens, bs)
     return out.cpu().double(), want
@@ -83,6 +89,15 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_matches_softmax_reference(case) -> None:
     got, want = _run(**CASES[case])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+def test_decode_key_splits_match_reference(splits) -> None:
+    """Split-key decode (flash-decoding) merges to the same result: splits longer than a
+    stream (empty ones), one key, and streams of several 128-key steps."""
+    streams = [(0, 1), (3, 1), (300, 1), (129, 1), (700, 1)]
+    got, want = _run(streams=streams, hq=8, hkv=2, d=32, bs=16, splits=splits)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 

@@ -27,7 +27,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])  # views at any offset: no recompiles
 def _rope_cache_kernel(
     qkv_ptr, stride_t,  # [T, (HQ + 2 * HKV) * D]
     pos_ptr, cos_ptr, sin_ptr,  # positions [T]; tables [max_pos, D]
