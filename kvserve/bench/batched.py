@@ -29,6 +29,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prompt tokens per step (llama.cpp's -b)")
     p.add_argument("--quantized-decode", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_batched)
@@ -99,7 +101,8 @@ def cmd_batched(a: argparse.Namespace) -> int:
     cfg = EngineConfig(model=a.model, kv_cache_tokens=need + 64 * a.block_size, max_num_seqs=max(npl),
                        block_size=a.block_size, enable_prefix_caching=False,
                        max_num_batched_tokens=a.max_num_batched_tokens,
-                       quantized_decode=a.quantized_decode)
+                       quantized_decode=a.quantized_decode, attention_backend=a.attention_backend,
+                       enforce_eager=a.enforce_eager)
     loaded = load_model(resolve_model(a.model), DTYPES[cfg.resolved_dtype()])
     runner = ModelRunner(loaded, cfg)
     run_point(runner, 16, 4, 2, a.max_num_batched_tokens, seed=99)  # warm-up

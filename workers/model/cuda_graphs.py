@@ -22,7 +22,7 @@ from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.workers.model.attention_triton import TritonStep
 from kvserve.workers.model.llama import LlamaModel
-from kvserve.workers.model.step_inputs import StepInputs, to_device
+from kvserve.workers.model.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +49,24 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.scratch_slot = scratch_block * cache.block_size
         dev, i64 = self.device, torch.int64
-        self.ids = torch.zeros(n, dtype=i64, device=dev)
-        self.pos = torch.zeros(n, dtype=i64, device=dev)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=i64, device=dev)
+        # A step's inputs for bucket b sit at the front of one buffer, six rows of b:
+        # tiles (stream, first query row, tokens, position), token ids, cache slots, then
+        # the step's block-table rows. One host-to-device copy fills it from pinned memory.
+        size = 6 * n + n * max_blocks
+        self.host = torch.zeros(size, dtype=i64, pin_memory=dev.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.inputs = torch.zeros(size, dtype=i64, device=dev)
         self.last = torch.arange(n, dtype=i64, device=dev)
-        # tiles: stream i, query row i, 1 token (0 for padding), its position
-        self.tiles = torch.stack([self.last, self.last, torch.zeros_like(self.last), self.pos]).contiguous()
         self.tables = torch.zeros(n, max_blocks, dtype=i64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+
+    def views(self, b: int) -> dict[str, torch.Tensor]:
+        """Bucket b's static inputs: views of the one input buffer."""
+        x = self.inputs
+        return {"tiles": x[: 4 * b].view(4, b), "pos": x[3 * b : 4 * b], "ids": x[4 * b : 5 * b],
+                "slots": x[5 * b : 6 * b]}
 
     def bucket(self, batch: int) -> int | None:
         for b in self.buckets:
@@ -70,21 +79,47 @@ class DecodeGraphs:
                 and step.block_tables.shape[1] <= self.max_blocks)
 
     def _forward(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata([1] * b, [0] * b, [], self.slots[:b], self.cache.block_size,
-                                 prepared=TritonStep(self.tables[:b], self.tiles[:, :b], 1))
-        return self.model.forward(self.ids[:b], self.pos[:b], meta, self.cache, self.attn, self.last[:b])
+        v = self.views(b)
+        meta = AttentionMetadata([1] * b, [0] * b, [], v["slots"], self.cache.block_size,
+                                 prepared=TritonStep(self.tables[:b], v["tiles"], 1))
+        return self.model.forward(v["ids"], v["pos"], meta, self.cache, self.attn, self.last[:b])
+
+    def _stage(self, b: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray,
+               tables: np.ndarray) -> None:
+        """Write bucket b's inputs (n real rows, the rest padding) and copy them over."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has left the pinned buffer
+        n, w = tables.shape
+        h = self.host_np
+        h[: 2 * b] = np.tile(np.arange(b), 2)  # stream i, query row i
+        h[2 * b : 2 * b + n] = 1  # one token per real row; padding rows have none
+        h[2 * b + n : 3 * b] = 0
+        for k, (real, pad) in enumerate(((pos, 0), (ids, 0), (slots, self.scratch_slot)), start=3):
+            h[k * b : k * b + n] = real
+            h[k * b + n : (k + 1) * b] = pad
+        end = 6 * b + n * w
+        h[6 * b : end] = tables.ravel()
+        self.inputs[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if n:
+            self.tables[:n, :w].copy_(self.inputs[6 * b : end].view(n, w))
 
     def capture(self) -> None:
         """Capture every bucket's graph (CUDA only), largest first, one progress line each."""
+        empty = np.zeros(0, np.int64)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs
             for b in self.buckets:
+                self._stage(b, empty, empty, empty, np.zeros((0, 1), np.int64))
                 self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for i, b in enumerate(reversed(self.buckets)):
+            self._stage(b, empty, empty, empty, np.zeros((0, 1), np.int64))  # padding only
+            torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[b] = self._forward(b)
@@ -95,23 +130,9 @@ class DecodeGraphs:
 
     def load(self, step: StepInputs) -> int:
         """Copy a decode step into the static buffers, padded to its bucket; returns it."""
-        n = len(step.query_lens)
-        b = self.bucket(n)
+        b = self.bucket(len(step.query_lens))
         assert b is not None
-        pad = b - n
-        ids = np.concatenate([step.input_ids, np.zeros(pad, np.int64)])
-        pos = np.concatenate([step.positions, np.zeros(pad, np.int64)])
-        slots = np.concatenate([step.slot_mapping, np.full(pad, self.scratch_slot, np.int64)])
-        lens = np.concatenate([np.ones(n, np.int64), np.zeros(pad, np.int64)])
-        w = step.block_tables.shape[1]
-        ids_d, pos_d, slots_d, lens_d, tables_d = to_device([ids, pos, slots, lens, step.block_tables],
-                                                             self.device)
-        self.ids[:b].copy_(ids_d)
-        self.pos[:b].copy_(pos_d)
-        self.slots[:b].copy_(slots_d)
-        self.tiles[2, :b].copy_(lens_d)
-        self.tiles[3, :b].copy_(pos_d)
-        self.tables[:n, :w].copy_(tables_d)
+        self._stage(b, step.input_ids, step.positions, step.slot_mapping, step.block_tables)
         return b
 
     def run(self, step: StepInputs) -> torch.Tensor:
