@@ -16,8 +16,8 @@ from kvserve.workers.model.attention import AttentionMetadata
 
 try:
     from vllm_flash_attn import flash_attn_varlen_func
-except ImportError as e:  # the optional extra is not installed
-    raise ImportError(f"vllm_flash_attn is not installed ({e}); pip install 'kvserve[flash]'") from e
+except ImportError as e:  # not a dependency: users bring a build that matches their torch
+    raise ImportError(f"vllm_flash_attn is not installed ({e}); its only release (2.6.2) needs torch==2.4.0") from e
 
 
 class FlashAttention:

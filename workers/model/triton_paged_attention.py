@@ -20,6 +20,7 @@ before this module is imported), which is how CI checks it without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -152,6 +153,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: a small machine, so tests exercise the split path
