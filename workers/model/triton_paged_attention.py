@@ -161,9 +161,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_splits(n_tiles: int, hkv: int, sms: int) -> int:
-    """Key splits per decode tile: enough programs for about two waves over the SMs,
-    a power of two, at most 16."""
-    want = -(-2 * sms // max(1, n_tiles * hkv))
+    """Key splits per decode tile: enough programs for about four per SM, a power of two,
+    at most 16 (H100, 1B shape: 2 splits at batch 64 cut the kernel from 53 to 45 us)."""
+    want = -(-4 * sms // max(1, n_tiles * hkv))
     return min(16, _pow2(want)) if want > 1 else 1
 
 
