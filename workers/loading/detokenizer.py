@@ -5,11 +5,18 @@ strip the sequence's first space. So each step decodes a short window twice -- t
 tail (`_prefix:_read`) and that tail plus the new tokens -- and emits the difference. The window
 only moves forward at points where the decoded text ends on a whole character, which makes the
 deltas concatenate to the full decode.
+
+Byte-level vocabularies (GPT-2 style: Llama 3, Qwen2, SmolLM) skip the window entirely: a token
+decodes to a fixed byte string, so each step appends its bytes to an incremental UTF-8 decoder,
+O(1) work per token with no tokenizer call after a token's first sight.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import TYPE_CHECKING
+
+from tokenizers import decoders
 
 if TYPE_CHECKING:
     from kvserve.workers.loading.tokenizer import Tokenizer
@@ -17,6 +24,63 @@ if TYPE_CHECKING:
 REPLACEMENT = "\ufffd"
 # Prompt tokens kept as left context; a few are enough to settle leading-space handling.
 _PROMPT_CONTEXT = 4
+
+
+class BytePieces:
+    """Token id -> the bytes a ByteLevel decoder turns it into, learnt on first sight.
+
+    `decode(ids)` of such a tokenizer is the UTF-8 (lossy) decoding of the concatenated
+    pieces; special tokens give b"" when skipped and ids past the vocabulary always do.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._specials = tokenizer.special_token_ids
+        # the GPT-2 byte alphabet, inverted: printable stand-in character -> byte
+        self._byte_of = {c: b for b, c in byte_alphabet().items()}
+        self._pieces: dict[int, bytes] = {}
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer) -> BytePieces | None:
+        """The table for a tokenizer whose decoder is plain ByteLevel, else None."""
+        if not isinstance(tokenizer.backend.decoder, decoders.ByteLevel):
+            return None
+        table = cls(tokenizer)
+        # added tokens are spelled as raw text; check that the decoder agrees with us on them
+        for i in tokenizer.backend.get_added_tokens_decoder():
+            piece = table.piece(i, skip_special=False)
+            if piece.decode("utf-8", "replace") != tokenizer.decode([i], skip_special_tokens=False):
+                return None
+        return table
+
+    def piece(self, token_id: int, skip_special: bool) -> bytes:
+        if skip_special and token_id in self._specials:
+            return b""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            token = self._tok.id_to_token(token_id) if token_id >= 0 else None
+            if token is None:
+                piece = b""
+            else:
+                byte_of = self._byte_of
+                try:
+                    piece = bytes(byte_of[c] for c in token)
+                except KeyError:  # not in the byte alphabet: the decoder keeps its UTF-8
+                    piece = token.encode("utf-8")
+            self._pieces[token_id] = piece
+        return piece
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level vocabularies are spelled in."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    shifted = 0x100
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(shifted)
+            shifted += 1
+    return table
 
 
 class IncrementalDetokenizer:
@@ -38,6 +102,11 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self.text = ""
+        self._pieces = tokenizer.byte_pieces()
+        if self._pieces is not None:
+            # the prompt adds nothing to byte-level text: no context window needed
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            return
         context = self._keep(list((prompt_ids or [])[-_PROMPT_CONTEXT:]))
         # Context that ends mid-character would make the first delta start with its broken tail.
         if context and not self._decode(context).endswith(REPLACEMENT):
@@ -88,9 +157,25 @@ class IncrementalDetokenizer:
 
     def step(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (possibly "")."""
+        pieces = self._pieces
+        if pieces is not None:
+            skip = self._skip
+            if len(new_ids) == 1:
+                data = pieces.piece(new_ids[0], skip)
+            else:
+                data = b"".join([pieces.piece(i, skip) for i in new_ids])
+            delta = self._utf8.decode(data) if data else ""
+            if delta:
+                self.text += delta
+            return delta
         self._ids.extend(self._keep(list(new_ids)))
         return self._delta(final=False)
 
     def flush(self) -> str:
         """Emit whatever is held back (a trailing incomplete character decodes as U+FFFD)."""
+        if self._pieces is not None:
+            delta = self._utf8.decode(b"", final=True)
+            self._utf8.reset()
+            self.text += delta
+            return delta
         return self._delta(final=True)
