@@ -130,8 +130,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- stepping ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced tokens or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return an output for every request that produced tokens or finished.
+
+        `finished_only`: outputs for finished requests only (callers that never stream skip
+        building one per running request per step).
+        """
         plan, seqs = self.scheduler.schedule()
         if plan is None:
             return []
@@ -169,7 +173,11 @@ class LLMEngine:
             if s.status is done:
                 finished.append(s)
                 self.seqs.pop(s.request_id, None)
-            outputs.append(s.to_output(1))
+                outputs.append(s.to_output(1))
+            elif finished_only:
+                s.skip_delta()  # the final output's delta stays what streaming would show
+            else:
+                outputs.append(s.to_output(1))
         self.generated_tokens += len(sample_seqs)
         if finished:
             self.scheduler.finish(finished)

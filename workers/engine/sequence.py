@@ -132,6 +132,11 @@ class Sequence:
         self.emitted = end
         return delta
 
+    def skip_delta(self) -> None:
+        """Mark the text as streamed as far as `text_delta` would, without slicing it."""
+        if not self.finish_reason:
+            self.emitted = max(self.emitted, len(self.text) - self.holdback)
+
     def to_output(self, delta_tokens: int = 0) -> RequestOutput:
         """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text."""
         out = self.output_ids

@@ -39,6 +39,8 @@ class BytePieces:
         # the GPT-2 byte alphabet, inverted: printable stand-in character -> byte
         self._byte_of = {c: b for b, c in byte_alphabet().items()}
         self._pieces: dict[int, bytes] = {}
+        # a piece's text when it is whole UTF-8 on its own (most are), else None
+        self._texts: dict[int, str | None] = {}
 
     @classmethod
     def build(cls, tokenizer: Tokenizer) -> BytePieces | None:
@@ -69,6 +71,21 @@ class BytePieces:
                     piece = token.encode("utf-8")
             self._pieces[token_id] = piece
         return piece
+
+    def text(self, token_id: int, skip_special: bool) -> str | None:
+        """The piece as text if it decodes on its own, else None (a split character)."""
+        if skip_special and token_id in self._specials:
+            return ""
+        try:
+            return self._texts[token_id]
+        except KeyError:
+            pass
+        try:
+            text: str | None = self.piece(token_id, False).decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        self._texts[token_id] = text
+        return text
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -101,18 +118,17 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
-        self.text = ""
+        self._parts: list[str] = []  # the text so far, joined when read
         self._pieces = tokenizer.byte_pieces()
+        self._pending = b""  # byte-level: the start of a character split across tokens
         if self._pieces is not None:
-            # the prompt adds nothing to byte-level text: no context window needed
-            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-            return
+            return  # the prompt adds nothing to byte-level text: no context window needed
         context = self._keep(list((prompt_ids or [])[-_PROMPT_CONTEXT:]))
         # Context that ends mid-character would make the first delta start with its broken tail.
         if context and not self._decode(context).endswith(REPLACEMENT):
             self._ids = context
         self._prefix = 0  # window start: text of _ids[_prefix:_read] was emitted (or is context)
-        self._read = len(self._ids)  # ids before this are accounted for in self.text
+        self._read = len(self._ids)  # ids before this are accounted for in the text
 
     def _keep(self, ids: list[int]) -> list[int]:
         # Ids past the vocabulary and skipped special tokens produce no text. Leaving them out
@@ -152,30 +168,50 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix]
             self._read -= self._prefix
             self._prefix = 0
-        self.text += delta
+        self._parts.append(delta)
+        return delta
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        parts = self._parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    def _byte_step(self, token_id: int) -> str:
+        pieces = self._pieces
+        assert pieces is not None
+        if not self._pending:
+            delta = pieces.text(token_id, self._skip)
+            if delta is not None:
+                if delta:
+                    self._parts.append(delta)
+                return delta
+        # bytes of a character split across tokens: decode what is whole, keep the rest
+        data = self._pending + pieces.piece(token_id, self._skip)
+        delta, used = codecs.utf_8_decode(data, "replace", False)
+        self._pending = data[used:]
+        if delta:
+            self._parts.append(delta)
         return delta
 
     def step(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (possibly "")."""
-        pieces = self._pieces
-        if pieces is not None:
-            skip = self._skip
+        if self._pieces is not None:
             if len(new_ids) == 1:
-                data = pieces.piece(new_ids[0], skip)
-            else:
-                data = b"".join([pieces.piece(i, skip) for i in new_ids])
-            delta = self._utf8.decode(data) if data else ""
-            if delta:
-                self.text += delta
-            return delta
+                return self._byte_step(new_ids[0])
+            return "".join([self._byte_step(i) for i in new_ids])
         self._ids.extend(self._keep(list(new_ids)))
         return self._delta(final=False)
 
     def flush(self) -> str:
         """Emit whatever is held back (a trailing incomplete character decodes as U+FFFD)."""
         if self._pieces is not None:
-            delta = self._utf8.decode(b"", final=True)
-            self._utf8.reset()
-            self.text += delta
+            if not self._pending:
+                return ""
+            delta = codecs.utf_8_decode(self._pending, "replace", True)[0]
+            self._pending = b""
+            self._parts.append(delta)
             return delta
         return self._delta(final=True)
