@@ -94,9 +94,13 @@ class Sampler:
             bans = _ban_lists(params, output_ids, eos_token_ids or (), V)
             if bans is None:
                 return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
-            x = torch.empty((B, V), dtype=torch.float32, device=device)
-            x.copy_(logits)
-            _set_bans(x, bans)
+            eos_rows, eos_cols, rows, _ = bans
+            if len(eos_rows) == B and not rows:  # e.g. every row ignores EOS: one masked copy
+                x = logits.index_fill(1, torch.tensor(eos_cols, device=device), -float("inf"))
+            else:
+                x = torch.empty((B, V), dtype=torch.float32, device=device)
+                x.copy_(logits)
+                _set_bans(x, bans)
             return SamplerOutput(x.argmax(dim=-1).tolist(), None, None)
         # A contiguous float32 copy: penalties write in place through a flat view and must not
         # touch the caller's tensor, and half-precision softmax/cumsum is too coarse for top-p.
