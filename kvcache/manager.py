@@ -64,7 +64,7 @@ class PrefixHit:
     num_tokens: int  # tokens covered by all three
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedStream:
     stream_id: str
     start: int  # first position computed in this step
@@ -83,6 +83,12 @@ class StepPlan:
     streams: list[PlannedStream]
     token_ids: dict[str, list[int]]
     demoted: list[tuple[int, int]] = field(default_factory=list)  # (device block, hash) reused
+
+
+# The empty new_blocks/cached_blocks/host_in of a running stream's plan (never mutated: rollback and
+# _unpin only read or replace them), so a decode step allocates no lists for them.
+_NONE: list[int] = []
+_NO_PAIRS: list[tuple[int, int]] = []
 
 
 class KVCacheManager:
@@ -182,48 +188,55 @@ class KVCacheManager:
 
     # ---- plan / apply --------------------------------------------------------------------
     def reserve(self, steps: list[StreamStep]) -> StepPlan:
-        """Reserve every block the step writes, all or nothing."""
+        """Reserve every block the step writes, all or nothing.
+
+        A running stream costs a few attribute reads here (its decode step usually needs no
+        new block); only new streams look up prefixes, revive cached blocks and pin host ones.
+        """
         bs = self.block_size
+        streams = self.streams
         planned: list[PlannedStream] = []
+        fresh: list[PlannedStream] = []  # the new streams among `planned`
         # blocks revived from the free-but-cached state reduce what is free for new blocks
         revived: set[int] = set()
         need_new = 0
-        seen: set[str] = set()
+        token_ids: dict[str, list[int]] = {}
         for st in steps:
-            if st.stream_id in seen:
-                raise ValueError(f"stream {st.stream_id!r} appears twice in one step")
-            seen.add(st.stream_id)
-            if not 0 < st.target <= len(st.token_ids):
-                raise ValueError(f"target {st.target} outside 1..{len(st.token_ids)}")
-            state = self.streams.get(st.stream_id)
-            host_ids: list[int] = []
-            if state is None:
-                if st.stream_id in self.held:
-                    raise ValueError(f"stream {st.stream_id!r} is still being written back")
-                hit = self.lookup_prefix(st.token_ids, st.target - 1, st.resume)
-                cached = hit.device_blocks
-                host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
-                start = hit.num_tokens
-                have = len(cached)
-                for b in cached:
-                    if self.pool.is_free(b):
-                        revived.add(b)
-                is_new = True
-            else:
-                if st.target <= state.num_computed:
-                    raise ValueError(
-                        f"stream {st.stream_id!r}: target {st.target} <= computed {state.num_computed}"
-                    )
-                cached = []
+            sid = st.stream_id
+            if sid in token_ids:
+                raise ValueError(f"stream {sid!r} appears twice in one step")
+            target = st.target
+            token_ids[sid] = st.token_ids
+            if not 0 < target <= len(st.token_ids):
+                raise ValueError(f"target {target} outside 1..{len(st.token_ids)}")
+            state = streams.get(sid)
+            if state is not None:
                 start = state.num_computed
-                have = len(state.block_ids)
-                is_new = False
-            n_new = max(0, self.blocks_needed(st.target) - have)
+                if target <= start:
+                    raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
+                n_new = -(-target // bs) - len(state.block_ids)
+                if n_new < 0:
+                    n_new = 0
+                need_new += n_new
+                planned.append(PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
+                                             False, n_new, _NO_PAIRS))
+                continue
+            if sid in self.held:
+                raise ValueError(f"stream {sid!r} is still being written back")
+            hit = self.lookup_prefix(st.token_ids, target - 1, st.resume)
+            cached = hit.device_blocks
+            host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
+            start = hit.num_tokens
+            for b in cached:
+                if self.pool.is_free(b):
+                    revived.add(b)
+            n_new = max(0, self.blocks_needed(target) - len(cached))
             need_new += n_new
-            ps = PlannedStream(st.stream_id, start, st.target, [], [], cached, is_new, n_new)
+            ps = PlannedStream(sid, start, target, [], [], cached, True, n_new)
             ps.host_in = [(h, -1) for h in host_ids]
             ps.host_tokens = start - len(cached) * bs
             planned.append(ps)
+            fresh.append(ps)
         free_after_revive = self.pool.num_free - len(revived)
         if need_new > free_after_revive:
             raise KVCacheFull(need_new + len(revived), self.pool.num_free)
@@ -231,29 +244,37 @@ class KVCacheManager:
         # apply: nothing below can fail for lack of space. Revive every prefix hit
         # before allocating, so allocation cannot hand out a block another stream
         # of this step is about to share.
+        for p in fresh:
+            self.pool.touch(p.cached_blocks)
+            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.start)
+            state.num_cached_prompt = p.start
+            state.block_hashes = self._hashes_of(p.cached_blocks)
+            streams[p.stream_id] = state
+            self.prefix_queries += p.target
+            self.prefix_hits += p.start
+        if self.host is not None:
+            for p in fresh:
+                if p.host_in:
+                    # pinned until commit/rollback: the copy below the plan reads them
+                    self.host.pin([h for h, _ in p.host_in])
+        # allocate in plan order (block ids, and the cached blocks the allocator drops, do
+        # not depend on which streams are new)
+        allocate = self.pool.allocate
         for p in planned:
             if p.is_new:
-                self.pool.touch(p.cached_blocks)
-                state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.start)
-                state.num_cached_prompt = p.start
-                state.block_hashes = self._hashes_of(p.cached_blocks)
-                self.streams[p.stream_id] = state
-                self.prefix_queries += p.target
-                self.prefix_hits += p.start
-        for p in planned:
-            if p.host_in and self.host is not None:
-                # pinned until commit/rollback: the copy below the plan reads them
-                self.host.pin([h for h, _ in p.host_in])
-        for p in planned:
-            state = self.streams[p.stream_id]
-            last = state.block_ids[-1] if state.block_ids else None
-            new = self.pool.allocate(p.num_new_blocks, after=last)
-            state.block_ids.extend(new)
-            p.new_blocks = new
-            p.block_ids = state.block_ids
-            p.host_in = [(h, d) for (h, _), d in zip(p.host_in, new, strict=False)]
+                state = streams[p.stream_id]
+                last = state.block_ids[-1] if state.block_ids else None
+                new = allocate(p.num_new_blocks, after=last)
+                state.block_ids.extend(new)
+                p.new_blocks = new
+                p.block_ids = state.block_ids
+                p.host_in = [(h, d) for (h, _), d in zip(p.host_in, new, strict=False)]
+            elif p.num_new_blocks:
+                new = allocate(p.num_new_blocks, after=p.block_ids[-1] if p.block_ids else None)
+                p.block_ids.extend(new)
+                p.new_blocks = new
         demoted, self._demoted = self._demoted, []
-        return StepPlan(planned, {st.stream_id: st.token_ids for st in steps}, demoted)
+        return StepPlan(planned, token_ids, demoted)
 
     def _unpin(self, plan: StepPlan) -> None:
         if self.host is None:
@@ -267,14 +288,17 @@ class KVCacheManager:
         """The step's KV is written: advance the streams and publish full blocks."""
         bs = self.block_size
         self._unpin(plan)
+        streams = self.streams
+        caching = self.enable_prefix_caching
         for p in plan.streams:
-            state = self.streams[p.stream_id]
-            state.num_computed = p.target
-            if not self.enable_prefix_caching:
+            state = streams[p.stream_id]
+            target = state.num_computed = p.target
+            # most decode steps fill no block: nothing to hash
+            if not caching or len(state.block_hashes) >= target // bs:
                 continue
             tokens = plan.token_ids[p.stream_id]
             parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
-            for b in range(len(state.block_hashes), p.target // bs):
+            for b in range(len(state.block_hashes), target // bs):
                 parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
                 state.block_hashes.append(parent)
                 self.pool.register(state.block_ids[b], parent)

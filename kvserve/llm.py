@@ -75,7 +75,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", unit="req")
         wanted = set(ids)
         while self.engine.has_unfinished() and len(done) < len(ids):
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     if bar is not None:

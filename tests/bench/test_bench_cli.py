@@ -89,3 +89,17 @@ def test_bench_throughput_workload_and_ranges() -> None:
 def test_bench_throughput_rejects_bad_ranges(capsys) -> None:
     assert main(["bench", "throughput", "--input-len", "5:2"]) == 2
     assert "LO <= HI" in capsys.readouterr().err
+
+
+def test_bench_hoststep_json(tmp_path, capsys, keep_torch_threads) -> None:
+    out = tmp_path / "host.json"
+    argv = ["bench", "hoststep", "--batch", "3", "--input-len", "8", "--steps", "3",
+            "--json", str(out)]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["batch"] == 3 and row["steps"] == 3
+    assert 0 < row["cpu_ms_min"] <= row["cpu_ms_median"]
+    assert 0 < row["wall_ms_min"] <= row["wall_ms_median"]
+    assert row["cpu_us_per_stream"] == pytest.approx(row["cpu_ms_median"] * 1e3 / 3)
+    assert "CPU us/stream" in capsys.readouterr().out
+    assert main(["bench", "hoststep", "--batch", "0"]) == 2

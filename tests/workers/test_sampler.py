@@ -455,6 +455,25 @@ def test_eos_masking_ignore_eos_and_min_tokens():
     assert math.isfinite(early.logprobs[0]) and early.logprobs[0] > -0.2
 
 
+def test_greedy_fast_path_bans_match_full_path():
+    # An all-greedy batch without logprobs takes one argmax; with a logprobs row it takes the
+    # full path. Bans (ignore_eos, min_tokens and its stop ids) must pick the same tokens.
+    EOS, STOP = 7, 2
+    x = torch.zeros(5, 10)
+    x[:, EOS], x[:, STOP], x[:, 4] = 10.0, 9.0, 8.0
+    params = [SP(temperature=0, ignore_eos=True), SP(temperature=0),
+              SP(temperature=0, min_tokens=3, stop_token_ids=[STOP, 99]),
+              SP(temperature=0, min_tokens=3, stop_token_ids=[STOP]), SP(top_k=1, ignore_eos=True)]
+    outs = [[1], [1], [1, 1], [1, 1, 1], []]
+    fast = run(x, params, output_ids=outs, eos=[EOS, 1000])
+    full = run(x, [*params[:4], params[4].model_copy(update={"logprobs": 0})], output_ids=outs,
+               eos=[EOS, 1000])
+    assert fast.token_ids == full.token_ids == [STOP, EOS, 4, EOS, STOP]
+    assert fast.logprobs is None
+    assert run(x[:2], [SP(temperature=0, ignore_eos=True)] * 2, output_ids=[[1]] * 2,
+               eos=[EOS]).token_ids == [STOP, STOP]
+
+
 # --------------------------------------------------------------------------- misc
 
 

@@ -18,6 +18,7 @@ from tokenizers import models, pre_tokenizers, trainers
 
 from kvserve.errors import InvalidRequestError, ModelLoadError
 from kvserve.models import default_model
+from kvserve.workers.loading.detokenizer import byte_alphabet
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -492,3 +493,20 @@ def test_corrupt_gguf_files(gguf_path: str, tmp_path) -> None:
     writer.close()
     with pytest.raises(ModelLoadError, match="bare.gguf: no tokenizer"):
         load_tokenizer(str(bare))
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), skip=st.booleans(), chunk=st.integers(min_value=1, max_value=3))
+def test_byte_level_stream_matches_decode_even_when_broken(tok: Tokenizer, data, skip: bool,
+                                                           chunk: int) -> None:
+    # The byte-level fast path: deltas join to exactly what decode gives, stray bytes
+    # (U+FFFD) included; single bytes of multi-byte characters make many of those.
+    assert tok.byte_pieces() is not None
+    alphabet = byte_alphabet()
+    byte_ids = [tok.token_to_id(alphabet[b]) for b in (0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x98, 0x80)]
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(byte_ids), st.integers(0, tok.vocab_size + 4)),
+                             max_size=12))
+    deltas = _stream(IncrementalDetokenizer(tok, skip_special_tokens=skip), ids, chunk)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)

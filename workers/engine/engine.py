@@ -130,20 +130,29 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- stepping ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced tokens or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return an output for every request that produced tokens or finished.
+
+        `finished_only`: outputs for finished requests only (callers that never stream skip
+        building one per running request per step).
+        """
         plan, seqs = self.scheduler.schedule()
         if plan is None:
             return []
         logits = self.runner.run(plan)
-        rows, sample_seqs = [], []
+        # per-stream host work below runs for every stream every step: keep it to a few
+        # attribute reads and one output each
+        rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        computed = 0
         for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
-            self.prompt_tokens_computed += p.target - p.start
+            computed += p.target - p.start
             if p.is_new:
                 self._account_admission(s, p.start, p.host_tokens)
             if p.target == len(s.prompt_ids) + len(s.output_ids):
                 rows.append(i)
                 sample_seqs.append(s)
+        self.prompt_tokens_computed += computed
         outputs: list[RequestOutput] = []
         if not rows:
             return outputs
@@ -156,15 +165,22 @@ class LLMEngine:
             [s.generator for s in sample_seqs],
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        for j, s in enumerate(sample_seqs):
-            lp = res.logprobs[j] if res.logprobs is not None else None
-            top = res.top_logprobs[j] if res.top_logprobs is not None else None
-            s.append(res.token_ids[j], lp, top)
-            self.generated_tokens += 1
-            if s.status == Status.FINISHED:
-                self.scheduler.remove(s)
+        lps, tops = res.logprobs, res.top_logprobs
+        finished: list[Sequence] = []
+        done = Status.FINISHED
+        for j, (s, tok) in enumerate(zip(sample_seqs, res.token_ids, strict=True)):
+            s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
+            if s.status is done:
+                finished.append(s)
                 self.seqs.pop(s.request_id, None)
-            outputs.append(s.to_output(delta_tokens=1))
+                outputs.append(s.to_output(1))
+            elif finished_only:
+                s.skip_delta()  # the final output's delta stays what streaming would show
+            else:
+                outputs.append(s.to_output(1))
+        self.generated_tokens += len(sample_seqs)
+        if finished:
+            self.scheduler.finish(finished)
         return outputs
 
     def _account_admission(self, s: Sequence, start: int, host_tokens: int) -> None:

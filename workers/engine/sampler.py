@@ -89,6 +89,19 @@ class Sampler:
                 f"prompts, {len(output_ids)} outputs, {len(generators)} generators"
             )
         device = logits.device
+        if _plain_greedy(params):
+            # the common serving case: one argmax and one device-to-host copy for the batch
+            bans = _ban_lists(params, output_ids, eos_token_ids or (), V)
+            if bans is None:
+                return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            eos_rows, eos_cols, rows, _ = bans
+            if len(eos_rows) == B and not rows:  # e.g. every row ignores EOS: one masked copy
+                x = logits.index_fill(1, torch.tensor(eos_cols, device=device), -float("inf"))
+            else:
+                x = torch.empty((B, V), dtype=torch.float32, device=device)
+                x.copy_(logits)
+                _set_bans(x, bans)
+            return SamplerOutput(x.argmax(dim=-1).tolist(), None, None)
         # A contiguous float32 copy: penalties write in place through a flat view and must not
         # touch the caller's tensor, and half-precision softmax/cumsum is too coarse for top-p.
         x = torch.empty((B, V), dtype=torch.float32, device=device)
@@ -129,6 +142,61 @@ class Sampler:
         return SamplerOutput(token_list, chosen_list, top)
 
 
+_Bans = tuple[list[int], list[int], list[int], list[int]]
+
+
+def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Every row is greedy with no penalties and no logprobs (bans are allowed)."""
+    for p in params:
+        if (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            return False
+    return True
+
+
+def _ban_lists(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int],
+    V: int,
+) -> _Bans | None:
+    """(rows banning every EOS id, those ids, then single (row, token) bans), or None if
+    nothing is banned. Ids outside this model's vocab cannot be produced anyway."""
+    eos_rows: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(params):
+        if len(output_ids[i]) < p.min_tokens:
+            eos_rows.append(i)
+            # vLLM semantics: min_tokens also holds back the request's own stop tokens.
+            for t in p.stop_token_ids:
+                if 0 <= t < V:
+                    rows.append(i)
+                    cols.append(t)
+        elif p.ignore_eos:
+            eos_rows.append(i)
+    eos_cols = [t for t in eos_token_ids if 0 <= t < V] if eos_rows else []
+    if not eos_cols:
+        eos_rows = []
+    if not eos_rows and not rows:
+        return None
+    return eos_rows, eos_cols, rows, cols
+
+
+def _set_bans(x: torch.Tensor, bans: _Bans) -> None:
+    """Set banned (row, token) logits to -inf in place: EOS ids in one broadcast write."""
+    eos_rows, eos_cols, rows, cols = bans
+    dev = x.device
+    if eos_rows:
+        c = torch.tensor(eos_cols, device=dev)
+        if len(eos_rows) == x.shape[0]:
+            x[:, c] = -float("inf")
+        else:
+            x[torch.tensor(eos_rows, device=dev).unsqueeze(1), c] = -float("inf")
+    if rows:
+        x[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = -float("inf")
+
+
 def _apply_bans(
     x: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -136,23 +204,9 @@ def _apply_bans(
     eos_token_ids: Sequence[int],
 ) -> None:
     """Set banned (row, token) logits to -inf in place."""
-    V = x.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, p in enumerate(params):
-        early = len(output_ids[i]) < p.min_tokens
-        banned: list[int] = []
-        if p.ignore_eos or early:
-            banned.extend(eos_token_ids)
-        if early:
-            # vLLM semantics: min_tokens also holds back the request's own stop tokens.
-            banned.extend(p.stop_token_ids)
-        # Ids outside this model's vocab cannot be produced anyway.
-        banned = [t for t in banned if 0 <= t < V]
-        rows.extend([i] * len(banned))
-        cols.extend(banned)
-    if rows:
-        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -float("inf")
+    bans = _ban_lists(params, output_ids, eos_token_ids, x.shape[1])
+    if bans is not None:
+        _set_bans(x, bans)
 
 
 def _flat_positions(rows: Sequence[int], id_lists: Sequence[Sequence[int]], V: int) -> torch.Tensor:

@@ -86,6 +86,14 @@ class Scheduler:
         self.release_parked(seq)
         self.kv.free(seq.request_id)
 
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Drop streams that finished while running, in one pass over the running list."""
+        gone = set(seqs)
+        self.running[:] = [s for s in self.running if s not in gone]
+        for seq in seqs:
+            self.release_parked(seq)
+            self.kv.free(seq.request_id)
+
     def release_parked(self, seq: Sequence) -> None:
         """Drop a parked stream's host pins (after its in-flight copy, if any, completed)."""
         if seq in self.inflight:
@@ -159,19 +167,33 @@ class Scheduler:
         seqs: list[Sequence] = []
         free = kv.num_free_blocks
         headroom = 0
+        # the running streams' loop runs every step for every stream: plain arithmetic on
+        # the manager's stream states (ceil division as -(-a // b))
+        bs = kv.block_size
+        lookahead = self.lookahead_blocks
+        states = kv.streams
         for s in self.running:
             ids = s.all_ids
-            done = kv.num_computed(s.request_id)
-            have = len(kv.block_table(s.request_id)) if kv.has_stream(s.request_id) else 0
-            final = kv.blocks_needed(s.max_len)
-            headroom += min(self.lookahead_blocks, max(0, final - have))
+            state = states.get(s.request_id)
+            if state is None:
+                done = have = 0
+            else:
+                done = state.num_computed
+                have = len(state.block_ids)
+            grow = -(-s.max_len // bs) - have
+            if grow > 0:
+                headroom += grow if grow < lookahead else lookahead
             if budget <= 0:
                 continue
-            n = min(len(ids) - done, budget)
+            n = len(ids) - done
+            if n > budget:
+                n = budget
             steps.append(StreamStep(s.request_id, ids, done + n))
             seqs.append(s)
             budget -= n
-            free -= max(0, kv.blocks_needed(done + n) - have)
+            grow = -(-(done + n) // bs) - have
+            if grow > 0:
+                free -= grow
         admitted: list[Sequence] = []
         while (
             (self.parked or self.waiting)

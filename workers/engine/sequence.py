@@ -77,28 +77,27 @@ class Sequence:
 
     def append(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         """Add a sampled token and check every stop condition."""
-        self.output_ids.append(token)
+        out = self.output_ids
+        out.append(token)
         self._all.append(token)
-        if self.logprobs is not None and logprob is not None:
+        if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
-        if self.top_logprobs is not None and top is not None:
+        if top is not None and self.top_logprobs is not None:
             self.top_logprobs.append(top)
         p = self.params
-        n_out = len(self.output_ids)
-        is_eos = token in self.eos_ids and not p.ignore_eos
-        is_stop_id = token in p.stop_token_ids
-        if (is_eos or is_stop_id) and n_out >= p.min_tokens:
+        n_out = len(out)
+        if ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids) \
+                and n_out >= p.min_tokens:
             self.text += self.detok.flush()
             self._finish("stop", token)
             return
         prev = len(self.text)
-        self.text += self.detok.step([token])
+        delta = self.detok.step([token])
+        if delta:
+            self.text += delta
         if p.stop and n_out >= p.min_tokens and self._check_stop_strings(prev):
             return
-        if n_out >= p.max_tokens:
-            self.text += self.detok.flush()
-            self._finish("length", None)
-        elif len(self.prompt_ids) + n_out >= self.max_model_len:
+        if n_out >= p.max_tokens or len(self.prompt_ids) + n_out >= self.max_model_len:
             self.text += self.detok.flush()
             self._finish("length", None)
 
@@ -133,20 +132,31 @@ class Sequence:
         self.emitted = end
         return delta
 
+    def skip_delta(self) -> None:
+        """Mark the text as streamed as far as `text_delta` would, without slicing it."""
+        if not self.finish_reason:
+            self.emitted = max(self.emitted, len(self.text) - self.holdback)
+
     def to_output(self, delta_tokens: int = 0) -> RequestOutput:
         """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text."""
+        out = self.output_ids
+        n = len(out)
+        if delta_tokens == 1:
+            delta_ids = [out[-1]]
+        else:
+            delta_ids = out[n - delta_tokens :] if delta_tokens else []
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_ids,
             text=self.text,
-            token_ids=list(self.output_ids),
+            token_ids=out[:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
-            usage=Usage(len(self.prompt_ids), self.num_cached_prompt, len(self.output_ids)),
-            delta_token_ids=self.output_ids[len(self.output_ids) - delta_tokens :] if delta_tokens else [],
+            usage=Usage(len(self.prompt_ids), self.num_cached_prompt, n),
+            delta_token_ids=delta_ids,
             delta_text=self.text_delta(),
             queue_s=None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
         )

@@ -5,11 +5,18 @@ strip the sequence's first space. So each step decodes a short window twice -- t
 tail (`_prefix:_read`) and that tail plus the new tokens -- and emits the difference. The window
 only moves forward at points where the decoded text ends on a whole character, which makes the
 deltas concatenate to the full decode.
+
+Byte-level vocabularies (GPT-2 style: Llama 3, Qwen2, SmolLM) skip the window entirely: a token
+decodes to a fixed byte string, so each step appends its bytes to an incremental UTF-8 decoder,
+O(1) work per token with no tokenizer call after a token's first sight.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import TYPE_CHECKING
+
+from tokenizers import decoders
 
 if TYPE_CHECKING:
     from kvserve.workers.loading.tokenizer import Tokenizer
@@ -17,6 +24,80 @@ if TYPE_CHECKING:
 REPLACEMENT = "\ufffd"
 # Prompt tokens kept as left context; a few are enough to settle leading-space handling.
 _PROMPT_CONTEXT = 4
+
+
+class BytePieces:
+    """Token id -> the bytes a ByteLevel decoder turns it into, learnt on first sight.
+
+    `decode(ids)` of such a tokenizer is the UTF-8 (lossy) decoding of the concatenated
+    pieces; special tokens give b"" when skipped and ids past the vocabulary always do.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._specials = tokenizer.special_token_ids
+        # the GPT-2 byte alphabet, inverted: printable stand-in character -> byte
+        self._byte_of = {c: b for b, c in byte_alphabet().items()}
+        self._pieces: dict[int, bytes] = {}
+        # a piece's text when it is whole UTF-8 on its own (most are), else None
+        self._texts: dict[int, str | None] = {}
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer) -> BytePieces | None:
+        """The table for a tokenizer whose decoder is plain ByteLevel, else None."""
+        if not isinstance(tokenizer.backend.decoder, decoders.ByteLevel):
+            return None
+        table = cls(tokenizer)
+        # added tokens are spelled as raw text; check that the decoder agrees with us on them
+        for i in tokenizer.backend.get_added_tokens_decoder():
+            piece = table.piece(i, skip_special=False)
+            if piece.decode("utf-8", "replace") != tokenizer.decode([i], skip_special_tokens=False):
+                return None
+        return table
+
+    def piece(self, token_id: int, skip_special: bool) -> bytes:
+        if skip_special and token_id in self._specials:
+            return b""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            token = self._tok.id_to_token(token_id) if token_id >= 0 else None
+            if token is None:
+                piece = b""
+            else:
+                byte_of = self._byte_of
+                try:
+                    piece = bytes(byte_of[c] for c in token)
+                except KeyError:  # not in the byte alphabet: the decoder keeps its UTF-8
+                    piece = token.encode("utf-8")
+            self._pieces[token_id] = piece
+        return piece
+
+    def text(self, token_id: int, skip_special: bool) -> str | None:
+        """The piece as text if it decodes on its own, else None (a split character)."""
+        if skip_special and token_id in self._specials:
+            return ""
+        try:
+            return self._texts[token_id]
+        except KeyError:
+            pass
+        try:
+            text: str | None = self.piece(token_id, False).decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        self._texts[token_id] = text
+        return text
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level vocabularies are spelled in."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    shifted = 0x100
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(shifted)
+            shifted += 1
+    return table
 
 
 class IncrementalDetokenizer:
@@ -37,13 +118,17 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
-        self.text = ""
+        self._parts: list[str] = []  # the text so far, joined when read
+        self._pieces = tokenizer.byte_pieces()
+        self._pending = b""  # byte-level: the start of a character split across tokens
+        if self._pieces is not None:
+            return  # the prompt adds nothing to byte-level text: no context window needed
         context = self._keep(list((prompt_ids or [])[-_PROMPT_CONTEXT:]))
         # Context that ends mid-character would make the first delta start with its broken tail.
         if context and not self._decode(context).endswith(REPLACEMENT):
             self._ids = context
         self._prefix = 0  # window start: text of _ids[_prefix:_read] was emitted (or is context)
-        self._read = len(self._ids)  # ids before this are accounted for in self.text
+        self._read = len(self._ids)  # ids before this are accounted for in the text
 
     def _keep(self, ids: list[int]) -> list[int]:
         # Ids past the vocabulary and skipped special tokens produce no text. Leaving them out
@@ -83,14 +168,50 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix]
             self._read -= self._prefix
             self._prefix = 0
-        self.text += delta
+        self._parts.append(delta)
+        return delta
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        parts = self._parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    def _byte_step(self, token_id: int) -> str:
+        pieces = self._pieces
+        assert pieces is not None
+        if not self._pending:
+            delta = pieces.text(token_id, self._skip)
+            if delta is not None:
+                if delta:
+                    self._parts.append(delta)
+                return delta
+        # bytes of a character split across tokens: decode what is whole, keep the rest
+        data = self._pending + pieces.piece(token_id, self._skip)
+        delta, used = codecs.utf_8_decode(data, "replace", False)
+        self._pending = data[used:]
+        if delta:
+            self._parts.append(delta)
         return delta
 
     def step(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (possibly "")."""
+        if self._pieces is not None:
+            if len(new_ids) == 1:
+                return self._byte_step(new_ids[0])
+            return "".join([self._byte_step(i) for i in new_ids])
         self._ids.extend(self._keep(list(new_ids)))
         return self._delta(final=False)
 
     def flush(self) -> str:
         """Emit whatever is held back (a trailing incomplete character decodes as U+FFFD)."""
+        if self._pieces is not None:
+            if not self._pending:
+                return ""
+            delta = codecs.utf_8_decode(self._pending, "replace", True)[0]
+            self._pending = b""
+            self._parts.append(delta)
+            return delta
         return self._delta(final=True)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvserve.errors import InvalidRequestError, ModelLoadError
 from kvserve.workers.loading.chat_template import render_chat, select_template
-from kvserve.workers.loading.detokenizer import IncrementalDetokenizer
+from kvserve.workers.loading.detokenizer import BytePieces, IncrementalDetokenizer, byte_alphabet
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
 
@@ -58,6 +58,7 @@ class Tokenizer:
         if bos_token_id is None and self.add_bos:
             bos_token_id = with_special[0]
         self.bos_token_id = bos_token_id
+        self._byte_pieces: BytePieces | None | bool = False  # False: not built yet
 
     @property
     def eos_token_id(self) -> int | None:
@@ -79,6 +80,13 @@ class Tokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         except (TypeError, OverflowError) as exc:
             raise InvalidRequestError(f"token ids must be non-negative integers ({exc})") from exc
+
+    def byte_pieces(self) -> BytePieces | None:
+        """Per-token bytes for the streaming detokenizer (None unless the decoder is plain
+        ByteLevel); built once and shared by every stream of this tokenizer."""
+        if self._byte_pieces is False:
+            self._byte_pieces = BytePieces.build(self)
+        return self._byte_pieces  # type: ignore[return-value]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
@@ -212,18 +220,6 @@ def _read_gguf_metadata(path: str) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from exc
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map that byte-level BPE vocabularies are spelled in."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    shifted = 0x100
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(shifted)
-            shifted += 1
-    return table
-
-
 # Pre-tokenizer split regexes by `tokenizer.ggml.pre`; others use GPT-2's (ByteLevel's built-in).
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -255,7 +251,7 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 def _byte_level_backend(
     tokens: list[str], merges: list[str] | None, pre: str | None, path: str
 ) -> Backend:
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):

@@ -40,17 +40,25 @@ def build_step(plan: StepPlan, block_size: int, max_model_len: int) -> StepInput
         raise ValueError(f"stream {p.stream_id}: {p.target} tokens exceed max_model_len {max_model_len}")
     qlens = targets - starts
     total = int(qlens.sum())
-    ids = np.fromiter(
-        itertools.chain.from_iterable(plan.token_ids[p.stream_id][p.start : p.target] for p in streams),
-        np.int64, total,
-    )
+    token_ids = plan.token_ids
+    if total == n:  # decode only: one token per stream
+        ids = np.fromiter((token_ids[p.stream_id][p.start] for p in streams), np.int64, n)
+        positions = starts.copy()
+    else:
+        ids = np.fromiter(
+            itertools.chain.from_iterable(token_ids[p.stream_id][p.start : p.target] for p in streams),
+            np.int64, total,
+        )
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(qlens) - qlens), qlens)
     ends = np.cumsum(qlens)
-    positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - qlens), qlens)
-    width = max(len(p.block_ids) for p in streams)
+    # the padded block tables from one flat list: row-major order of the mask is table order
+    lens = np.fromiter((len(p.block_ids) for p in streams), np.int64, n)
+    width = int(lens.max())
     tables = np.zeros((n, width), dtype=np.int64)
-    for i, p in enumerate(streams):  # one row copy per stream
-        tables[i, : len(p.block_ids)] = p.block_ids
-    owner = np.repeat(np.arange(n), qlens)
+    flat = np.fromiter(itertools.chain.from_iterable(p.block_ids for p in streams), np.int64,
+                       int(lens.sum()))
+    tables[np.arange(width) < lens[:, None]] = flat
+    owner = np.repeat(np.arange(n), qlens) if total != n else np.arange(n)
     slots = tables[owner, positions // block_size] * block_size + positions % block_size
     return StepInputs(ids, positions, slots, ends - 1, qlens, starts, tables)
 
