@@ -54,13 +54,13 @@ def _metered_steps(engine: Any, on_tokens: Callable[[int], None]) -> Iterator[di
     inner = engine.step
     marks: dict[str, float] = {}
 
-    def step() -> list[Any]:
-        outs = inner()
+    def step(finished_only: bool = False) -> list[Any]:
+        outs = inner()  # every output, for the bar; LLM.generate wants the finished ones
         for out in outs:
             on_tokens(len(out.delta_token_ids))
         if "all_first_tokens" not in marks and not _prefill_left(engine):
             marks["all_first_tokens"] = time.perf_counter()
-        return outs
+        return [o for o in outs if o.finished] if finished_only else outs
 
     engine.step = step  # an instance attribute shadows the method until deleted
     try:

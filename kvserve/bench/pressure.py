@@ -68,10 +68,10 @@ def run_kvserve(args: argparse.Namespace, prompts: list[list[int]], kv_tokens: i
     with progress_bar(args.progress, len(prompts) * n, "kvserve") as bar:
         inner = eng.step
 
-        def step() -> list[Any]:
-            outs = inner()
+        def step(finished_only: bool = False) -> list[Any]:
+            outs = inner()  # every output, for the bar; LLM.generate wants the finished ones
             bar.update(sum(len(o.delta_token_ids) for o in outs))
-            return outs
+            return [o for o in outs if o.finished] if finished_only else outs
 
         eng.step = step  # type: ignore[method-assign]
         with Timer() as timer:
