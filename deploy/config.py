@@ -58,6 +58,15 @@ class ServeConfig(BaseModel):
                                 "router or worker before UNAVAILABLE (503)",
     )
     max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
+    shutdown_grace_s: float = Field(
+        120.0, gt=0,
+        description="when the app stops or a redeploy replaces the ingress, requests in flight "
+                    "get this long to finish; past it they end with UNAVAILABLE (503)",
+    )
+    router_name: str = Field(
+        "kvserve-router", min_length=1,
+        description="the detached router actor's name (one router per name on a Ray cluster)",
+    )
     stream_interval_ms: float | None = Field(
         None, ge=0,
         description="least time between two chunks of a stream (first and last go at once); "
