@@ -16,7 +16,9 @@ API_KEYS_ENV = "KVSERVE_API_KEYS"
 class ServeConfig(BaseModel):
     """Model, workers, engine and KV sizes, ports, API keys and overload limits."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # defaults validated too (0 -> 0.0 for a float), so a config digests the same after a
+    # model_dump round trip (the ingress receives it that way)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=True)
 
     model: str | None = Field(None, description="GGUF file or HF directory; None = default model")
     served_model_name: str | None = Field(
