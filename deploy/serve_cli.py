@@ -137,8 +137,11 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
 
     cfg = cfg or ServeConfig()
     try:
-        if not stop_app(APP_NAME, cfg.shutdown_grace_s + 60.0):
-            log.warning("kvserve: the app did not stop within its grace period; stopping it")
+        try:
+            if not stop_app(APP_NAME, cfg.shutdown_grace_s + 60.0):
+                log.warning("kvserve: the app did not stop within its grace period; stopping it")
+        except Exception as e:  # no app (it never deployed) or Serve already gone
+            log.warning("kvserve: deleting the app failed (%s); stopping Serve", e)
         serve.shutdown()
         if ray.is_initialized():
             # detached: it would outlive Serve (and keep its workers' memory)
