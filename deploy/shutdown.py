@@ -1,12 +1,13 @@
 """Graceful shutdown of an ingress replica: requests in flight get a stated grace period.
 
-When the app is deleted (`serve delete`, `serve shutdown`, `kvserve serve` stopped), Serve
-stops sending the replica requests and waits up to the deployment's
-`graceful_shutdown_timeout_s` for those it runs, then kills it, cutting whatever is left.
-kvserve sets that timeout to `shutdown_grace_s` plus a margin, and this watch ends the
-requests still running at `shutdown_grace_s` itself, with a clear UNAVAILABLE / 503, inside
-the margin, so no client sees a cut connection. Serve tells a replica nothing when its
-shutdown starts, so the watch asks Serve for the app's status while requests run.
+When Serve stops a replica (its app deleted by `serve delete`, `serve shutdown` or a stopped
+`kvserve serve`, or the replica replaced by a redeploy), it stops sending it requests and
+waits up to the deployment's `graceful_shutdown_timeout_s` for those it runs, then kills it,
+cutting whatever is left. kvserve sets that timeout to `shutdown_grace_s` plus a margin, and
+this watch ends the requests still running at `shutdown_grace_s` itself, with a clear
+UNAVAILABLE / 503, inside the margin, so no client sees a cut connection. Serve tells a
+replica nothing when its shutdown starts, so the watch reads the replica's state from
+Serve's controller while requests run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ POLL_S = 2.0  # how often the app's status is read while this replica has reques
 # Serve's graceful_shutdown_timeout_s = shutdown_grace_s + this: covers the status poll and
 # the aborted requests' answers reaching their clients
 MARGIN_S = 15.0
+STOPPING = ("STOPPING", "STOPPED")  # Serve's replica states once it is told to stop
 
 
 def serve_timeouts(grace_s: float) -> dict[str, float]:
@@ -32,21 +34,28 @@ def serve_timeouts(grace_s: float) -> dict[str, float]:
             "graceful_shutdown_wait_loop_s": 1.0}
 
 
-async def app_deleting() -> bool:
-    """Whether Serve is deleting the app this replica belongs to."""
+async def replica_stopping() -> bool:
+    """Whether Serve is stopping this replica: its app is being deleted, or a redeploy
+    replaced it (the replica's state in Serve's instance details, as the REST API shows it)."""
     from ray import serve
+    from ray.serve.context import _get_global_client
 
-    app = serve.get_replica_context().app_name
-    status = await asyncio.to_thread(serve.status)  # a controller call: off the event loop
-    st = status.applications.get(app)
-    return st is None or st.status == "DELETING"
+    ctx = serve.get_replica_context()
+    # a controller call: off the event loop
+    details = await asyncio.to_thread(lambda: _get_global_client().get_serve_details())
+    app = details.get("applications", {}).get(ctx.app_name)
+    if app is None or app.get("status") == "DELETING":
+        return True
+    dep = app.get("deployments", {}).get(ctx.deployment, {})
+    return any(r.get("replica_id") == ctx.replica_tag and r.get("state") in STOPPING
+               for r in dep.get("replicas", ()))
 
 
 class ShutdownWatch:
-    """Ends `svc`'s requests `grace_s` after `stopping()` first says the app is going away."""
+    """Ends `svc`'s requests `grace_s` after `stopping()` first says the replica is going."""
 
     def __init__(self, svc: Service, grace_s: float,
-                 stopping: Callable[[], Awaitable[bool]] = app_deleting,
+                 stopping: Callable[[], Awaitable[bool]] = replica_stopping,
                  poll_s: float = POLL_S) -> None:
         self.svc, self.grace_s, self.stopping, self.poll_s = svc, grace_s, stopping, poll_s
         self.task: asyncio.Task | None = None
@@ -67,8 +76,8 @@ class ShutdownWatch:
             except Exception as e:  # the controller busy or going: ask again
                 log.debug("reading the app's status failed: %s", e)
         since = time.monotonic()
-        log.warning("kvserve: the app is shutting down; %d requests in flight get %.0f s to "
-                    "finish", len(self.svc.live), self.grace_s)
+        log.warning("kvserve: this ingress replica is stopping; %d requests in flight get "
+                    "%.0f s to finish", len(self.svc.live), self.grace_s)
         while self.svc.live and time.monotonic() - since < self.grace_s:
             await asyncio.sleep(0.2)
         if self.svc.live:

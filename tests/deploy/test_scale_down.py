@@ -4,8 +4,9 @@ An app of its own (its own router name, beside the session's shared app, on the 
 proxies): redeploying it with `num_workers` 2 -> 1 while 8 gRPC streams run on worker 1
 drains worker 1 (its streams move to worker 0 and finish there with the outputs of an
 undisturbed greedy run; none fails; worker 1 exits; worker 0 holds no KV afterwards).
-Deleting the app while streams run lets those that finish within the app's
-`shutdown_grace_s` finish, and ends the others at that point with UNAVAILABLE."""
+When an ingress replica stops (replaced by a redeploy, or its app deleted) while streams
+run, those that finish within its `shutdown_grace_s` finish, and the others end at that
+point with UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -153,20 +154,25 @@ def test_scaling_down_drains_the_removed_worker(serve_app, scale_app, smol_llm):
         == router._actor_id
 
 
-def test_deleting_the_app_lets_requests_finish_within_its_grace_period(serve_app, scale_app,
-                                                                        smol_llm):
+def test_a_stopping_ingress_gives_requests_its_grace_period(serve_app, scale_app, smol_llm):
+    """Its replica replaced by a redeploy, then the app deleted: each time the short stream
+    finishes during the shutdown, and the long one ends with UNAVAILABLE once the stopping
+    replica's grace period is over."""
     _deploy(serve_app, 1, grace_s=20)  # a redeploy that keeps the router (same configuration)
-    short, long = 96, 900  # one finishes within the grace period, one cannot
+    short, long = 64, 900  # one finishes within the grace period, one cannot
     want = _reference(smol_llm, 1, short)
-    streams = Streams(serve_app.grpc_target, 2, [short, long], "delete")
-    _wait(lambda: all(streams.tokens), "the streams never started")
-    started = time.monotonic()
-    assert stop_app(APP, 300)  # Serve's graceful shutdown waits for them
-    streams.join()
-    assert streams.tokens[0] == want[0] and streams.finish[0] == "length"
-    assert streams.ended[0] > started  # it ran during the shutdown and finished
-    assert len(streams.errors) == 1 and streams.errors[0].startswith("1: UNAVAILABLE"), \
-        streams.errors
-    assert "20 s grace period" in streams.errors[0]
-    assert 0 < len(streams.tokens[1]) < long
-    assert streams.ended[1] - started >= 20  # not before the grace period was over
+    rounds = (("replaced", 20, lambda: _deploy(serve_app, 1, grace_s=25)),
+              ("deleted", 25, lambda: stop_app(APP, 300)))
+    for what, grace, stop in rounds:
+        streams = Streams(serve_app.grpc_target, 2, [short, long], what)
+        _wait(lambda s=streams: all(s.tokens), f"{what}: the streams never started")
+        started = time.monotonic()
+        assert stop() is not False  # Serve's graceful shutdown waits for them
+        streams.join()
+        assert streams.tokens[0] == want[0] and streams.finish[0] == "length", what
+        assert streams.ended[0] > started, what  # it ran during the shutdown and finished
+        assert len(streams.errors) == 1 and streams.errors[0].startswith("1: UNAVAILABLE"), \
+            (what, streams.errors)
+        assert f"{grace} s grace period" in streams.errors[0], what
+        assert 0 < len(streams.tokens[1]) < long, what
+        assert streams.ended[1] - started >= grace, what  # not before the grace period ended
