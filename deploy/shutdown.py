@@ -21,7 +21,7 @@ from kvserve.deploy.service import Service
 
 log = logging.getLogger(__name__)
 
-POLL_S = 2.0  # how often the app's status is read while this replica has requests
+POLL_S = 2.0  # how often the replica's state is read while it has requests
 # Serve's graceful_shutdown_timeout_s = shutdown_grace_s + this: covers the status poll and
 # the aborted requests' answers reaching their clients
 MARGIN_S = 15.0
