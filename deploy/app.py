@@ -23,9 +23,12 @@ GRPC_SERVICER = "kvserve.deploy.grpc_servicer.add_KVServeServicer_to_server"
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build from a ServeConfig dict (`serve run` passes CLI key=value pairs as strings)."""
     from kvserve.deploy.ingress import KVServeIngress
+    from kvserve.deploy.shutdown import serve_timeouts
 
     cfg = args if isinstance(args, ServeConfig) else ServeConfig(**_coerce(args or {}))
-    return KVServeIngress.bind(cfg.model_dump())
+    # a replica that Serve stops (app deleted, or replaced by a redeploy) keeps serving its
+    # requests in flight for up to shutdown_grace_s (and a margin) before it is killed
+    return KVServeIngress.options(**serve_timeouts(cfg.shutdown_grace_s)).bind(cfg.model_dump())
 
 
 def _coerce(args: dict[str, Any]) -> dict[str, Any]:

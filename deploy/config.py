@@ -16,7 +16,9 @@ API_KEYS_ENV = "KVSERVE_API_KEYS"
 class ServeConfig(BaseModel):
     """Model, workers, engine and KV sizes, ports, API keys and overload limits."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # defaults validated too (0 -> 0.0 for a float), so a config digests the same after a
+    # model_dump round trip (the ingress receives it that way)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=True)
 
     model: str | None = Field(None, description="GGUF file or HF directory; None = default model")
     served_model_name: str | None = Field(
@@ -58,6 +60,15 @@ class ServeConfig(BaseModel):
                                 "router or worker before UNAVAILABLE (503)",
     )
     max_retries: int = Field(2, ge=0, description="retries on another worker before a first token")
+    shutdown_grace_s: float = Field(
+        120.0, gt=0,
+        description="when the app stops or a redeploy replaces the ingress, requests in flight "
+                    "get this long to finish; past it they end with UNAVAILABLE (503)",
+    )
+    router_name: str = Field(
+        "kvserve-router", min_length=1,
+        description="the detached router actor's name (one router per name on a Ray cluster)",
+    )
     stream_interval_ms: float | None = Field(
         None, ge=0,
         description="least time between two chunks of a stream (first and last go at once); "

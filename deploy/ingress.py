@@ -17,6 +17,7 @@ from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_api import GrpcFrontend
 from kvserve.deploy.service import Service
+from kvserve.deploy.shutdown import ShutdownWatch
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible API of kvserve")
 app.add_middleware(limits.BodyLimit)
@@ -61,6 +62,10 @@ class KVServeIngress(GrpcFrontend):
         metrics.start(self.service.model_name)
         limits.set_max_request_bytes(self.service.cfg.max_request_bytes)
         await self.service.start()
+        # Serve's graceful shutdown waits for requests in flight; this ends those still
+        # running after shutdown_grace_s with UNAVAILABLE / 503 before Serve cuts them
+        self.shutdown_watch = ShutdownWatch(self.service, self.service.cfg.shutdown_grace_s)
+        self.shutdown_watch.start()
 
     # ---- HTTP -----------------------------------------------------------------------------
     @app.get("/health")

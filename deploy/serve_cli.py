@@ -112,16 +112,40 @@ def _until_ready(step: Callable[[], Any], what: str, deadline: float) -> None:
             log.warning("still waiting for %s (%s); %.0f s left", what, e, left)
 
 
-def shutdown() -> None:
+def stop_app(name: str = APP_NAME, wait_s: float = 600.0) -> bool:
+    """Delete a Serve app gracefully: its replicas stop taking requests and serve those in
+    flight for up to the app's `shutdown_grace_s` (see deploy/shutdown.py) before they go.
+    Returns whether it was gone within `wait_s` (serve.delete's own wait stops at 60 s)."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        st = serve.status().applications.get(name)
+        if st is None or st.status == "NOT_STARTED":
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def shutdown(cfg: ServeConfig | None = None) -> None:
+    """Stop the app (requests in flight get `shutdown_grace_s`), Serve, the router, Ray."""
     import ray
     from ray import serve
 
     from kvserve.router.lifecycle import kill_router
 
+    cfg = cfg or ServeConfig()
     try:
+        try:
+            if not stop_app(APP_NAME, cfg.shutdown_grace_s + 60.0):
+                log.warning("kvserve: the app did not stop within its grace period; stopping it")
+        except Exception as e:  # no app (it never deployed) or Serve already gone
+            log.warning("kvserve: deleting the app failed (%s); stopping Serve", e)
         serve.shutdown()
         if ray.is_initialized():
-            kill_router()  # detached: it would outlive Serve (and keep its workers' memory)
+            # detached: it would outlive Serve (and keep its workers' memory)
+            kill_router(cfg.router_name)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -140,8 +164,9 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK) -> int:
             pass
     except KeyboardInterrupt:
         pass
-    print("kvserve: shutting down", flush=True)
-    shutdown()
+    print(f"kvserve: shutting down (requests in flight get {cfg.shutdown_grace_s:g} s)",
+          flush=True)
+    shutdown(cfg)
     return 0
 
 
@@ -167,6 +192,9 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--routing-policy", default="affinity",
                    choices=["affinity", "least_loaded", "round_robin"])
     s.add_argument("--max-inflight-per-worker", type=int, default=256)
+    s.add_argument("--shutdown-grace-s", type=float, default=120.0,
+                   help="on SIGTERM / Ctrl-C, requests in flight get this long to finish "
+                        "(then UNAVAILABLE / 503)")
     e = s.add_argument_group("engine")
     e.add_argument("--kv-cache-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
@@ -191,5 +219,6 @@ def cmd_serve(a: Any) -> int:
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
+        shutdown_grace_s=a.shutdown_grace_s,
     )
     return serve_forever(cfg, ray_host=a.ray_host)

@@ -68,7 +68,7 @@ class Service:
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
         self.tokenizer = load_tokenizer(resolve_model(cfg.model))
-        self.router = router or get_or_create_router(cfg.router_config())
+        self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
         self.max_model_len = 0
@@ -79,10 +79,13 @@ class Service:
         # picks that waited for a restarting router or worker (both shown in server info)
         self.retries = 0
         self.waits = 0
+        # set when this replica stops its requests for good (the app shutting down past
+        # its grace period): the message they end with
+        self.stopping: str | None = None
 
     async def start(self) -> None:
         info = await self.router.ready.remote()
-        self.epoch, self.workers = await self.router.workers_with_epoch.remote()
+        await self._refresh_workers()
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.block_size = int(info["block_size"])
@@ -184,9 +187,10 @@ class Service:
                 break
             sent = 0
             try:
-                if slot.epoch != self.epoch:  # the router was restarted with new workers
+                if slot.epoch != self.epoch or slot.idx >= len(self.workers):
+                    # the router was restarted with new workers, or started more
                     await self.router.ready.remote()
-                    self.epoch, self.workers = await self.router.workers_with_epoch.remote()
+                    await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,
                                     lambda src, dst, s=slot: self._moved(s, src, dst), slot.slot_id)
@@ -201,6 +205,8 @@ class Service:
                     slot.finished = chunk["finish_reason"] is not None
                     yield chunk
                 if not slot.finished:
+                    if self.stopping:
+                        raise ServiceError("unavailable", self.stopping)
                     raise ServiceError("internal", f"worker {slot.worker_id} ended the stream early")
                 return
             except WORKER_GONE as e:
@@ -221,12 +227,29 @@ class Service:
                 slot.release()  # aborts on the worker too if it did not finish
         raise ServiceError("unavailable", "no worker could take the request (workers died)")
 
-    def _moved(self, slot: Slot, src: int, dst: int) -> None:
+    async def _refresh_workers(self) -> None:
+        """The router's worker handles, updated in place: relays under way see new ones."""
+        self.epoch, workers = await self.router.workers_with_epoch.remote()
+        self.workers[:] = workers
+
+    async def _moved(self, slot: Slot, src: int, dst: int) -> None:
         """The router moved the request's stream: its slot, release and abort follow it."""
         # not a child of the request: a cancellation now must not drop the move (then the
         # release, sent the same way, would find the slot on the wrong worker)
         outside_request().run(self.router.move_slot.remote, src, dst, slot.slot_id)
+        if dst >= len(self.workers):  # a worker the router started since this replica looked
+            _, workers = await self.router.workers_with_epoch.remote()
+            self.workers[:] = workers
         slot.idx, slot.worker_id, slot.worker = dst, f"worker-{dst}", self.workers[dst]
+
+    def stop_requests(self, message: str) -> int:
+        """End every request this replica serves with UNAVAILABLE / 503 `message` (the app
+        is going away and its grace period is over); returns how many were running."""
+        self.stopping = message
+        slots = [s for s in self.live.values() if not s.finished and s.worker is not None]
+        for s in slots:
+            outside_request().run(s.worker.abort.remote, s.request_id)
+        return len(slots)
 
     async def _pick(
         self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None

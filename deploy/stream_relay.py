@@ -10,6 +10,7 @@ worker's.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ class StreamRelay:
         self.workers = workers
         self.idx = idx  # the worker serving the stream now
         self.request_id = request_id
-        self.on_move = on_move  # moves the request's router slot along (src, dst)
+        self.on_move = on_move  # moves the request's router slot along (src, dst); may be async
         self.slot_id = slot_id  # the target reports it to the router as its own
         self.moves = 0
 
@@ -47,6 +48,8 @@ class StreamRelay:
             if moved_to is None:
                 return
             # Ray runs one caller's calls to an actor in order: this lands before the release
-            self.on_move(self.idx, moved_to)
+            moved = self.on_move(self.idx, moved_to)
+            if inspect.isawaitable(moved):  # it may first fetch the handle of a new worker
+                await moved
             self.idx, self.moves = moved_to, self.moves + 1
             gen = self.worker.resume.remote(self.request_id, self.slot_id)

@@ -41,6 +41,17 @@ class RouterConfig:
         return asdict(self)
 
     def digest(self) -> str:
-        """Names this configuration: a deployment with another one needs another router."""
-        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        """Names this configuration: a deployment with another one needs another router,
+        unless only `num_workers` differs (see `shape_digest`)."""
+        return _digest(self.to_dict())
+
+    def shape_digest(self) -> str:
+        """Names this configuration but for its worker count: a router whose shape matches
+        a deployment's is resized to it (drains the workers it loses, starts the ones it
+        gains) rather than replaced."""
+        return _digest({k: v for k, v in self.to_dict().items() if k != "num_workers"})
+
+
+def _digest(d: dict[str, Any]) -> str:
+    text = json.dumps(d, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

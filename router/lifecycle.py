@@ -4,7 +4,9 @@ The router is detached so that an ingress replica's death (Serve replaces it) do
 the router and the workers it owns down with it: the new replica finds the same router by
 name. Being detached, it is never cleaned up by Ray on its own: `kill_router` does that
 (`kvserve serve`'s shutdown, test fixtures), and a deployment with a different router
-configuration replaces it (the router keeps its configuration's digest).
+configuration replaces it (the router keeps its configuration's digest). A deployment that
+changes only the worker count resizes it instead: the workers it loses are drained (their
+streams move to the others) rather than killed.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def find_router(name: str = ROUTER_NAME) -> Any | None:
 
 
 def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -> Any:
-    """The router for this configuration: the running one if its configuration is the same,
-    else a new one (the old router and its workers are killed first)."""
+    """The router for this configuration: the running one if its configuration is the same
+    (resized if only the worker count differs), else a new one (the old router and its
+    workers are killed first)."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -41,6 +44,12 @@ def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -
     if old is not None:
         try:
             if ray.get(old.config_digest.remote(), timeout=120) == digest:
+                return old
+            if ray.get(old.shape_digest.remote(), timeout=120) == router_config.shape_digest():
+                res = ray.get(old.resize.remote(router_config.num_workers), timeout=120)
+                log.warning("router: the worker count changed to %d; draining workers %s, "
+                            "started workers %s", router_config.num_workers, res["draining"],
+                            res["started"])
                 return old
             log.warning("router: the configuration changed; replacing the router and its workers")
         except (RayActorError, ray.exceptions.GetTimeoutError):

@@ -93,6 +93,15 @@ class MigrationMetrics:
             zero(self.sessions, {"worker": w})
         self.refresh()
 
+    def add_worker(self, w: str) -> None:
+        """A worker added by a resize: its series start at zero too."""
+        for d in ("in", "out"):
+            zero(self.streams, {"worker": w, "direction": d})
+            zero(self.bytes, {"worker": w, "direction": d})
+        zero(self.failures, {"worker": w})
+        zero(self.sessions, {"worker": w})
+        self.drain_state(w, "serving")
+
     def moved(self, src: str, dst: str, nbytes: int) -> None:
         for w, d in ((src, "out"), (dst, "in")):
             self.streams.inc(tags={"worker": w, "direction": d})

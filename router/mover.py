@@ -59,6 +59,7 @@ class StreamMover:
         self.counts: dict[int, Counter[str]] = {v.idx: Counter() for v in views}
         self._tasks: set[asyncio.Task] = set()
         self._session_copies: set[asyncio.Task] = set()
+        self._drains: dict[int, asyncio.Task] = {}  # drains under way, by worker
 
     # ---- the router's view ------------------------------------------------------------------
     def observe(self, idx: int, load: dict[str, Any]) -> None:
@@ -207,12 +208,31 @@ class StreamMover:
                         dst, rid)
             self.handles[dst].abort.remote(rid)
 
+    def add_worker(self, idx: int) -> None:
+        """A worker joined (a resize): count its moves from zero."""
+        self.counts[idx] = Counter()
+        if self.metrics:
+            self.metrics.add_worker(self.views[idx].worker_id)
+
     # ---- drain ----------------------------------------------------------------------------------
+    def start_drain(self, idx: int, timeout_s: float) -> asyncio.Task:
+        """Drain worker `idx` in the background; it stops taking requests at once. A drain
+        already under way for it is the one returned."""
+        task = self._drains.get(idx)
+        if task is None or task.done():
+            if idx not in self.drained:
+                self._drain_state(idx, "draining")  # before the caller's next pick
+            task = asyncio.create_task(self._drain(idx, timeout_s))
+            self._drains[idx] = task
+        return task
+
     async def drain(self, idx: int, timeout_s: float) -> dict[str, Any]:
         """Stop routing to worker `idx`, move its streams away, then stop it for good."""
+        return await asyncio.shield(self.start_drain(idx, timeout_s))
+
+    async def _drain(self, idx: int, timeout_s: float) -> dict[str, Any]:
         if idx in self.drained:
             return {"worker": idx, "moved": 0, "drained": True}
-        self._drain_state(idx, "draining")
         deadline = time.monotonic() + timeout_s
         moved = 0
         sem = asyncio.Semaphore(max(1, self.cfg.max_inflight))

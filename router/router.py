@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 ROUTER_NAME = "kvserve-router"
 NAMESPACE = "kvserve"
+RESIZE_DRAIN_TIMEOUT_S = 600.0  # a worker removed by a resize has this long to hand over
 PENDING_TTL_S = 5.0  # how long a just-routed prompt counts as held before a poll confirms it
 SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection only
 MAX_SESSIONS = 100_000
@@ -34,16 +35,12 @@ MAX_SESSIONS = 100_000
 class RouterActor:
     def __init__(self, router_config: dict[str, Any]) -> None:
         self.cfg = RouterConfig(**router_config)
-        self.digest = self.cfg.digest()  # taken before run-time changes (set_slot_grace_s)
+        # the configuration as deployed, before run-time changes (set_slot_grace_s): its
+        # digest names the router; a resize changes only its worker count
+        self.deployed = RouterConfig(**router_config)
+        self.digest = self.deployed.digest()
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
-        engine = self.cfg.worker_engine(available_cores())
-        self.handles = [
-            create_worker(f"worker-{i}", self.cfg.engine_of(i, engine), self.cfg.num_cpus_per_worker,
-                          self.cfg.num_gpus_per_worker,
-                          stream_interval_ms=self.cfg.stream_interval_ms,
-                          model_name=self.cfg.model_name)
-            for i in range(self.cfg.num_workers)
-        ]
+        self.handles = [self._start_worker(i) for i in range(self.cfg.num_workers)]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
@@ -57,13 +54,26 @@ class RouterActor:
         # from a release that never came
         self._reconciled: OrderedDict[str, float] = OrderedDict()
 
+    def _start_worker(self, i: int) -> Any:
+        engine = self.cfg.worker_engine(available_cores())
+        return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
+                             self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
+                             stream_interval_ms=self.cfg.stream_interval_ms,
+                             model_name=self.cfg.model_name)
+
+    def _serving(self) -> list[int]:
+        """Workers that are neither drained (stopped) nor draining."""
+        gone = self.mover.drained | self.mover.draining
+        return [v.idx for v in self.views if v.idx not in gone]
+
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
-        """Wait until every worker has loaded its model; start polling. Returns model info."""
-        live = [v for v in self.views if v.idx not in self.mover.drained]  # drained: stopped
-        infos = await asyncio.gather(*(self.handles[v.idx].info.remote() for v in live))
-        for v, info in zip(live, infos, strict=True):
-            v.alive, v.incarnation = True, info["incarnation"]
+        """Wait until every serving worker has loaded its model; start polling. Returns
+        model info. (A draining worker may stop meanwhile: it is not waited for.)"""
+        live = self._serving()
+        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live))
+        for i, info in zip(live, infos, strict=True):
+            self.views[i].alive, self.views[i].incarnation = True, info["incarnation"]
         self._info = infos[0]
         await self._poll_once()
         if self._poller is None:
@@ -72,6 +82,44 @@ class RouterActor:
 
     def config_digest(self) -> str:
         return self.digest
+
+    def shape_digest(self) -> str:
+        return self.deployed.shape_digest()
+
+    def resize(self, num_workers: int) -> dict[str, Any]:
+        """Serve `num_workers` workers (a deployment that changed only its worker count).
+
+        Fewer: the highest-numbered serving workers are drained in the background (they
+        take no new request from now on; their streams and sessions move to the others,
+        then they stop). More: new workers start after the existing ones (their indices are
+        new; the ingress picks up the new handles through the changed epoch). Returns the
+        workers draining and started."""
+        n = max(1, int(num_workers))
+        serving = self._serving()
+        self.cfg.num_workers = self.deployed.num_workers = n  # new workers' thread share
+        removed = serving[n:]
+        for i in removed:
+            task = self.mover.start_drain(i, RESIZE_DRAIN_TIMEOUT_S)
+            task.add_done_callback(lambda t, i=i: self._resize_drained(i, t))
+        added = []
+        for _ in range(n - len(serving)):
+            i = len(self.handles)
+            self.handles.append(self._start_worker(i))
+            self.views.append(WorkerView(i, f"worker-{i}"))
+            self.mover.add_worker(i)
+            added.append(i)
+        if added:
+            self.epoch = uuid.uuid4().hex  # the ingress refetches the handles
+        self.digest = self.deployed.digest()
+        log.warning("router: resized to %d workers (draining %s, started %s)", n, removed, added)
+        return {"draining": removed, "started": added}
+
+    def _resize_drained(self, idx: int, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        res = task.exception() or task.result()
+        if isinstance(res, BaseException) or not res.get("drained"):
+            log.error("router: worker %d, removed by a resize, did not drain: %s", idx, res)
 
     def workers(self) -> list[Any]:
         return list(self.handles)
@@ -165,7 +213,7 @@ class RouterActor:
             # restart. Each poll interrupts the worker's step loop, which on a small CPU
             # host costs more than it tells (see docs/benchmarks.md, online serving).
             interval = self.cfg.load_poll_interval_s
-            if len(self.views) == 1:
+            if len(self.views) - len(self.mover.drained) == 1:
                 interval = max(interval, SINGLE_WORKER_POLL_S)
             await asyncio.sleep(interval)
             try:
@@ -184,7 +232,7 @@ class RouterActor:
             self._update(v, load)
             self.mover.observe(v.idx, load)
 
-        await asyncio.gather(*(one(v) for v in self.views))
+        await asyncio.gather(*(one(v) for v in self.views if v.idx not in self.mover.drained))
         self.metrics.workers_alive(self.views)
 
     def _update(self, v: WorkerView, load: dict[str, Any]) -> None:

@@ -107,7 +107,11 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     m.add_argument("--skew", type=float, default=0.0,
                    help="share of requests in one session, pinned to one worker (0..1)")
     m.add_argument("--compare-migration", action="store_true",
-                   help="run the requests with stream migration on, then off")
+                   help="run the requests with stream migration on and off, in alternating "
+                        "passes after an untimed priming pass")
+    m.add_argument("--migration-rounds", type=int, default=2,
+                   help="--compare-migration: rounds of two passes, mirrored (on, off, off, "
+                        "on, ...)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -273,6 +277,8 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--num-warmups must be >= 0, got {a.num_warmups}"
     if a.rounds < 1:
         return f"--rounds must be >= 1, got {a.rounds}"
+    if a.migration_rounds < 1:
+        return f"--migration-rounds must be at least 1, got {a.migration_rounds}"
     if not 0 <= a.skew <= 1:
         return f"--skew must be in [0, 1], got {a.skew}"
     if a.workers < 1:
@@ -318,7 +324,7 @@ def _bench(a: argparse.Namespace) -> int:
     runs: dict[str, dict[str, Any]] = {}
 
     def record(name: str, results: list[RequestResult], duration: float, meter: CpuMeter,
-               whole_stack: bool = True) -> None:
+               whole_stack: bool = True) -> dict[str, Any]:
         """`whole_stack`: the meter saw the serving side too (in-process or self-started);
         for a server elsewhere its CPU is "other load", and the CPU figures mean nothing."""
         m = compute_metrics(results, duration, slos, a.percentile_list)
@@ -342,6 +348,7 @@ def _bench(a: argparse.Namespace) -> int:
             print(f"  failed: {e}")
         if warn := meter.warning(name):
             print(warn)
+        return m
 
     if a.compare_engine and (a.host or a.port):
         print("bench serve: note: the in-process engine runs with this command's engine "
@@ -359,7 +366,7 @@ def _bench(a: argparse.Namespace) -> int:
                                     a.workers, pin_sessions=a.skew > 0)
             host, port = "127.0.0.1", service.port(a.target)
 
-    moved: dict[str, int] | None = None
+    moved: dict[str, Any] | None = None
     try:
         if a.compare_migration:
             start()
@@ -394,7 +401,7 @@ def _bench(a: argparse.Namespace) -> int:
         "runs": runs,
     }
     if moved is not None:
-        report["workers"], report["skew"], report["streams_moved"] = a.workers, a.skew, moved
+        report["workers"], report["skew"], report["migration"] = a.workers, a.skew, moved
     if a.compare_engine:
         c = compare(runs["engine"]["metrics"], runs[a.target]["metrics"])
         report["comparison"] = c

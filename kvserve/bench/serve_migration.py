@@ -1,10 +1,13 @@
-"""`kvserve bench serve --compare-migration`: the same skewed load with stream migration on,
-then off, against one self-started multi-worker service.
+"""`kvserve bench serve --compare-migration`: the same skewed load with stream migration on
+and off, in alternating passes against one self-started multi-worker service.
 
 `--skew S` gives a share S of the requests one session, which the service pins to one worker
 however loaded; with a small KV pool that worker parks streams, and migration moves them to
-the other workers. Both runs use the same requests and warm-ups; only the router's migration
-setting differs between them.
+the other workers. Every pass sends the same requests; only the router's migration setting
+differs. A fixed order (all "on" passes, then all "off") would credit one configuration
+with the machine's drift and the prefix cache the earlier passes filled, so an untimed
+priming pass fills the cache first and the timed passes alternate in mirrored rounds
+(on, off, off, on, ...): each configuration runs as often early as late.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import numpy as np
 from kvserve.bench.serve_dataset import BenchRequest
 
 HOT_SESSION = "kvserve-bench-hot"
-MODES = ("migration on", "migration off")
+ON, OFF = "migration on", "migration off"
+MODES = (ON, OFF)
 
 
 def apply_skew(requests: list[BenchRequest], share: float, seed: int) -> list[BenchRequest]:
@@ -33,6 +37,11 @@ def apply_skew(requests: list[BenchRequest], share: float, seed: int) -> list[Be
     return requests
 
 
+def pass_order(rounds: int) -> list[str]:
+    """Mirrored rounds: on, off, off, on, on, off, ... (two passes per round)."""
+    return [m for r in range(rounds) for m in (MODES if r % 2 == 0 else MODES[::-1])]
+
+
 def moved_streams(router: Any) -> int:
     import ray
 
@@ -40,21 +49,77 @@ def moved_streams(router: Any) -> int:
     return int(sum(w["stats"].get("migration_streams_in", 0) for w in info["workers"]))
 
 
+def summarize(passes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per configuration: output tok/s over its passes (median, mean) and TTFT p50/p99 over
+    all its requests."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in MODES:
+        mine = [p for p in passes if p["mode"] == mode]
+        if not mine:
+            continue
+        tput = [p["output_throughput"] for p in mine]
+        ttft = [r.ttft * 1000.0 for p in mine for r in p["results"] if r.success]
+        out[mode] = {
+            "passes": len(mine),
+            "output_throughput_median": float(np.median(tput)),
+            "output_throughput_mean": float(np.mean(tput)),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)) if ttft else 0.0,
+            "ttft_p99_ms": float(np.percentile(ttft, 99)) if ttft else 0.0,
+            "streams_moved": sum(p["moved"] for p in mine),
+        }
+    return out
+
+
+def format_summary(passes: list[dict[str, Any]], summary: dict[str, dict[str, float]]) -> str:
+    lines = ["bench serve: pass order: " + ", ".join(
+                 f"{i + 1}. {p['mode']}" for i, p in enumerate(passes)),
+             f"{'pass':<6}{'configuration':<16}{'moved':>7}{'tok/s':>9}{'TTFT p50':>11}"
+             f"{'TTFT p99':>11}{'duration':>10}"]
+    for i, p in enumerate(passes):
+        lines.append(f"{i + 1:<6}{p['mode']:<16}{p['moved']:>7}{p['output_throughput']:>9.1f}"
+                     f"{p['ttft_p50_ms'] / 1000:>10.1f}s{p['ttft_p99_ms'] / 1000:>10.1f}s"
+                     f"{p['duration']:>9.1f}s")
+    lines.append(f"{'configuration':<16}{'passes':>7}{'tok/s median':>14}{'tok/s mean':>12}"
+                 f"{'TTFT p50':>11}{'TTFT p99':>11}{'moved':>7}")
+    for mode, s in summary.items():
+        lines.append(f"{mode:<16}{s['passes']:>7}{s['output_throughput_median']:>14.1f}"
+                     f"{s['output_throughput_mean']:>12.1f}{s['ttft_p50_ms'] / 1000:>10.1f}s"
+                     f"{s['ttft_p99_ms'] / 1000:>10.1f}s{s['streams_moved']:>7}")
+    return "\n".join(lines)
+
+
 def compare_migration(
     a: argparse.Namespace, make_client: Callable[[], Any], requests: list[BenchRequest],
     warmups: list[BenchRequest], bench_one: Callable, record: Callable,
 ) -> dict[str, Any]:
-    """Run the requests with migration on, then off; record each; the streams moved in each."""
+    """A priming pass, then `a.migration_rounds` mirrored rounds of on/off passes; records
+    each pass and returns the passes (without per-request results) and the summary."""
     import ray
 
     from kvserve.router.router import NAMESPACE, ROUTER_NAME
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    moved: dict[str, int] = {}
-    for mode in MODES:
-        ray.get(router.set_migration.remote(mode == "migration on"))
+    ray.get(router.set_migration.remote(False))
+    _, prime_s, _ = asyncio.run(bench_one(make_client(), requests, warmups, a))
+    print(f"bench serve: priming pass (untimed, migration off): {prime_s:.1f} s", flush=True)
+    passes: list[dict[str, Any]] = []
+    for i, mode in enumerate(pass_order(a.migration_rounds)):
+        ray.get(router.set_migration.remote(mode == ON))
         before = moved_streams(router)
-        record(f"{a.target}, {mode}", *asyncio.run(bench_one(make_client(), requests, warmups, a)))
-        moved[mode] = moved_streams(router) - before
-        print(f"bench serve: {mode}: {moved[mode]} streams moved", flush=True)
-    return moved
+        results, duration, meter = asyncio.run(bench_one(make_client(), requests, [], a))
+        m = record(f"{a.target}, pass {i + 1}: {mode}", results, duration, meter)
+        passes.append({"mode": mode, "moved": moved_streams(router) - before,
+                       "results": results, "duration": duration,
+                       "output_throughput": m["output_throughput"],
+                       "ttft_p50_ms": float(np.percentile([r.ttft * 1000 for r in results
+                                                           if r.success] or [0.0], 50)),
+                       "ttft_p99_ms": float(np.percentile([r.ttft * 1000 for r in results
+                                                           if r.success] or [0.0], 99))})
+        print(f"bench serve: pass {i + 1} ({mode}): {passes[-1]['moved']} streams moved",
+              flush=True)
+    summary = summarize(passes)
+    print(format_summary(passes, summary), flush=True)
+    return {"order": [p["mode"] for p in passes], "priming_pass_s": prime_s,
+            "passes": [{k: v for k, v in p.items() if k != "results"} for p in passes],
+            "summary": summary}
+

@@ -1,5 +1,6 @@
-"""`kvserve bench serve --skew/--compare-migration`: the skewed share and argument checks
-(no Ray; the migration run itself is the figure in docs/benchmarks.md)."""
+"""`kvserve bench serve --skew/--compare-migration`: the skewed share, the alternating pass
+order, the per-configuration summary and argument checks (no Ray; the migration run itself
+is the figure in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import argparse
 
 from kvserve.bench.serve import add_parser, check_args
 from kvserve.bench.serve_dataset import BenchRequest
-from kvserve.bench.serve_migration import HOT_SESSION, apply_skew
+from kvserve.bench.serve_metrics import RequestResult
+from kvserve.bench.serve_migration import (
+    HOT_SESSION,
+    OFF,
+    ON,
+    apply_skew,
+    format_summary,
+    pass_order,
+    summarize,
+)
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -33,3 +43,35 @@ def test_migration_arguments_are_checked():
     assert "--workers" in check_args(_args("--workers", "0"))
     assert "self-started" in check_args(_args("--compare-migration", "--host", "h"))
     assert "self-started" in check_args(_args("--compare-migration", "--target", "engine"))
+
+
+def test_passes_alternate_in_mirrored_rounds():
+    assert pass_order(1) == [ON, OFF]
+    assert pass_order(2) == [ON, OFF, OFF, ON]
+    assert pass_order(3) == [ON, OFF, OFF, ON, ON, OFF]
+    for n in (2, 4):  # each configuration's mean position is the same
+        order = pass_order(n)
+        assert sum(i for i, m in enumerate(order) if m == ON) == \
+            sum(i for i, m in enumerate(order) if m == OFF)
+
+
+def test_summary_per_configuration():
+    def one(mode: str, tput: float, ttfts: list[float], moved: int) -> dict:
+        return {"mode": mode, "moved": moved, "duration": 10.0, "output_throughput": tput,
+                "ttft_p50_ms": 0.0, "ttft_p99_ms": 0.0,
+                "results": [RequestResult(success=True, ttft=t) for t in ttfts]
+                + [RequestResult(success=False, ttft=99.0)]}
+
+    passes = [one(ON, 40.0, [1.0, 2.0], 3), one(OFF, 50.0, [3.0], 0),
+              one(OFF, 56.0, [5.0], 0), one(ON, 44.0, [3.0, 4.0], 2)]
+    s = summarize(passes)
+    assert s[ON]["passes"] == 2 and s[ON]["streams_moved"] == 5
+    assert s[ON]["output_throughput_mean"] == 42.0 and s[OFF]["output_throughput_median"] == 53.0
+    assert s[ON]["ttft_p50_ms"] == 2500.0 and s[OFF]["ttft_p50_ms"] == 4000.0  # failed: left out
+    text = format_summary(passes, s)
+    assert "pass order: 1. migration on, 2. migration off, 3. migration off, 4. migration on" \
+        in text
+
+
+def test_migration_rounds_are_checked():
+    assert "--migration-rounds" in check_args(_args("--migration-rounds", "0"))

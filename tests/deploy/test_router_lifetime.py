@@ -1,6 +1,7 @@
 """The router outlives the ingress: killing the ingress replica leaves the router and its
 workers running, and the replacement replica serves with them. A router is replaced only by a
-deployment with a different configuration, and `kill_router` leaves none of its actors alive."""
+deployment with a different configuration (one that changes only the worker count resizes
+it), and `kill_router` leaves none of its actors alive."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def test_router_and_workers_survive_an_ingress_restart(serve_app):
 
 def test_router_is_reused_for_its_config_replaced_for_another_and_killed(serve_app):
     """A second router (its own name, one worker) beside the app's: the same configuration
-    finds it again; another one replaces it and its worker; kill_router leaves nothing."""
+    finds it again, one that changes only the worker count resizes it, another one replaces
+    it and its workers; kill_router leaves nothing."""
     import ray
 
     from kvserve.router.lifecycle import find_router, get_or_create_router, kill_router
@@ -103,6 +105,19 @@ def test_router_is_reused_for_its_config_replaced_for_another_and_killed(serve_a
         worker = ray.get(first.workers.remote())[0]
         same = get_or_create_router(dataclasses.replace(cfg), name=name)
         assert same._actor_id == first._actor_id
+
+        # only the worker count differs: resized, not replaced (up adds worker-1, down
+        # drains it and it exits; worker-0 stays the same process throughout)
+        grown = get_or_create_router(dataclasses.replace(cfg, num_workers=2), name=name)
+        assert grown._actor_id == first._actor_id
+        ray.get(grown.ready.remote(), timeout=600)  # worker-1 has loaded the model
+        added = ray.get(grown.workers.remote())
+        assert len(added) == 2 and added[0]._actor_id == worker._actor_id
+        assert all(w["alive"] for w in ray.get(grown.server_info.remote())["workers"])
+        shrunk = get_or_create_router(dataclasses.replace(cfg, num_workers=1), name=name)
+        assert shrunk._actor_id == first._actor_id
+        _wait_dead(added[1].info)
+        assert ray.get(worker.info.remote())["worker_id"] == "worker-0"
 
         other = get_or_create_router(dataclasses.replace(cfg, max_imbalance=7), name=name)
         assert other._actor_id != first._actor_id
