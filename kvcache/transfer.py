@@ -112,11 +112,14 @@ class BlockCopier:
         assert self.side is not None
         start, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.side.wait_stream(torch.cuda.current_stream(self.dev.device))
+        shape = (*self.dev.shape[:2], len(dev_ids), *self.dev.shape[3:])
+        # allocated before the timed region: a new pinned allocation is a host call that the
+        # side stream would otherwise sit idle through, inside the copy's event time
+        staging = torch.empty(shape, dtype=self.dev.dtype, pin_memory=True)
         with torch.cuda.stream(self.side):
-            start.record(self.side)
             didx = torch.tensor(dev_ids, dtype=torch.long).to(self.dev.device, non_blocking=True)
+            start.record(self.side)
             data = self.dev.index_select(2, didx)
-            staging = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
             staging.copy_(data, non_blocking=True)
             ev.record(self.side)
         with self._lock:

@@ -44,6 +44,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", choices=["hf", "none"], default="hf")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="float32 on a GPU makes outputs comparable across batch compositions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -59,7 +61,7 @@ def run_kvserve(args: argparse.Namespace, prompts: list[list[int]], kv_tokens: i
     llm = LLM(model=args.model, kv_cache_tokens=kv_tokens, block_size=args.block_size,
               host_cache_gib=host_gib, admission_lookahead_tokens=args.lookahead,
               preemption_policy=args.policy, max_num_seqs=max(64, len(prompts)),
-              num_threads=args.threads)
+              num_threads=args.threads, dtype=args.dtype)
     eng = llm.engine
     n = args.output_len
     params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
