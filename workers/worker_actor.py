@@ -1,6 +1,8 @@
 """WorkerActor: one AsyncLLMEngine in a Ray actor, streaming coalesced chunks to the ingress.
 
-Each request's outputs are pumped from the engine into a per-request buffer; the Ray
+The ingress reaches a request's chunks through its subscription (token_batches.py: one Ray
+item per engine step for all of that ingress replica's requests here); `generate` and
+`resume` are the per-request streams those batches are made of. Each request's outputs are pumped from the engine into a per-request buffer; the Ray
 streaming generator yields everything buffered so far as one chunk. Chunks are paced
 (stream_pacing.py): the first and last go at once, the others at most once per interval,
 the steps in between merged; when the consumer falls behind (Ray's generator backpressure
@@ -30,6 +32,7 @@ from kvserve.workers.engine.migration import StreamMoved
 from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
 from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
+from kvserve.workers.token_batches import Subscription, TokenBatches
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ def _chunk_logprobs(outs: list[RequestOutput]) -> tuple[list[float], list[list] 
     return lps, tops
 
 
-class WorkerActor(StreamMoves):
+class WorkerActor(StreamMoves, TokenBatches):
     """Ray actor body (wrapped with ray.remote by `create_worker`)."""
 
     def __init__(
@@ -103,6 +106,7 @@ class WorkerActor(StreamMoves):
         self.metrics = WorkerMetrics(model_name or model_stem(self.engine.engine.model_path),
                                      worker_id)
         self._requests: dict[str, _Request] = {}
+        self._subs: dict[str, Subscription] = {}
         self._gauges: dict[str, Any] = {}
         self._metrics_task: asyncio.Task | None = None
         self.served = 0

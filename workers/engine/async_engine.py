@@ -51,6 +51,11 @@ class _Stream:
             return False
 
 
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for st, out in items:
+        st.queue.put_nowait(out)
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig())
@@ -177,17 +182,30 @@ class AsyncLLMEngine:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            for out in outs:
-                st = self._streams.get(out.request_id)
-                if st is None:
-                    continue
-                if out.finished:
-                    del self._streams[out.request_id]
-                if not st.put(out) and not out.finished:
-                    eng.abort(out.request_id)
-                    self._streams.pop(out.request_id, None)
+            self._deliver(outs)
             self._refresh()
         self._fail_all(RuntimeError("engine shut down"))
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their consumers: one callback per event loop, so that
+        every stream of the step wakes in the same pass of its loop (the worker batches
+        them into one Ray item)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outs:
+            st = self._streams.get(out.request_id)
+            if st is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(st.loop, []).append((st, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumers' loop is closed
+                for _st, out in items:
+                    if not out.finished:
+                        self.engine.abort(out.request_id)
+                        self._streams.pop(out.request_id, None)
 
     def _refresh(self) -> None:
         self._stats = self.engine.stats()
