@@ -28,6 +28,7 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.engine import LLMEngine
 from kvserve.workers.engine.migration import StreamMoved
 from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
 from kvserve.workers.stream_moves import StreamMoves
@@ -95,14 +96,27 @@ class WorkerActor(StreamMoves, TokenBatches):
     def __init__(
         self, worker_id: str, engine_config: dict[str, Any],
         stream_interval_ms: float | None = None, on_gpu: bool = False, model_name: str = "",
+        reporter: Any = None,
     ) -> None:
+        """`reporter` (the router) hears the start-up's progress: `worker_state(worker_id,
+        incarnation, state, load_s)` with "loading", "capturing graphs i/n", then "ready";
+        the actor answers no call before it is ready, so this is how it shows meanwhile."""
         self.worker_id = worker_id
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
         # changes on every (re)start: lets the router notice that the actor was replaced
         self.incarnation = uuid.uuid4().hex
         self.started_at = time.time()
         self.config = EngineConfig(**engine_config)
-        self.engine = AsyncLLMEngine(self.config)
+        self._reporter = reporter
+        t0 = time.monotonic()
+        try:
+            engine = LLMEngine(self.config, lambda state: self._report(state, 0.0))
+        except Exception as e:
+            self._report(f"failed: {e}", time.monotonic() - t0)
+            raise
+        self.engine = AsyncLLMEngine(self.config, engine)
+        self.load_s = time.monotonic() - t0
+        self._report("ready", self.load_s)
         self.metrics = WorkerMetrics(model_name or model_stem(self.engine.engine.model_path),
                                      worker_id)
         self._requests: dict[str, _Request] = {}
@@ -110,6 +124,12 @@ class WorkerActor(StreamMoves, TokenBatches):
         self._gauges: dict[str, Any] = {}
         self._metrics_task: asyncio.Task | None = None
         self.served = 0
+
+    def _report(self, state: str, load_s: float) -> None:
+        log.info("%s: %s (device %s%s)", self.worker_id, state, self.config.resolved_device(),
+                 f", {load_s:.1f} s" if load_s else "")
+        if self._reporter is not None:  # fire and forget: start-up never waits on the router
+            self._reporter.worker_state.remote(self.worker_id, self.incarnation, state, load_s)
 
     # ---- requests -------------------------------------------------------------------------
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
@@ -267,6 +287,8 @@ class WorkerActor(StreamMoves, TokenBatches):
             "vocab_size": eng.model_config.vocab_size,
             "block_size": self.config.block_size,
             "model_path": str(eng.model_path),
+            "device": self.config.resolved_device(),
+            "load_s": self.load_s,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -314,14 +336,23 @@ def create_worker(
     name: str | None = None,
     stream_interval_ms: float | None = None,
     model_name: str = "",
+    reporter: Any = None,
 ) -> Any:
-    """Start a worker actor that Ray restarts (fresh engine) whenever it dies."""
-    cls = ray.remote(WorkerActor)
-    return cls.options(
-        name=name,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        max_restarts=-1,
-        max_task_retries=0,  # a half-served stream must not be replayed behind the client
-        max_concurrency=1000,
-    ).remote(worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name)
+    """Start a worker actor that Ray restarts (fresh engine) whenever it dies. This returns
+    at once: Ray starts several workers' processes and model loads side by side. With
+    `num_gpus` (a fraction lets workers share a GPU) Ray gives the actor its GPU through
+    CUDA_VISIBLE_DEVICES, and the engine's device "cuda" is that GPU."""
+    return ray.remote(WorkerActor).options(**worker_options(num_cpus, num_gpus, name)).remote(
+        worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter)
+
+
+def worker_options(num_cpus: float, num_gpus: float, name: str | None = None) -> dict[str, Any]:
+    """The Ray actor options of a worker."""
+    return {
+        "name": name,
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "max_restarts": -1,
+        "max_task_retries": 0,  # a half-served stream must not be replayed behind the client
+        "max_concurrency": 1000,
+    }

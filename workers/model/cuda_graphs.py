@@ -14,6 +14,7 @@ forward eagerly, so the bucket, padding and buffer logic is checked without a GP
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -74,8 +75,12 @@ class DecodeGraphs:
                                  prepared=TritonStep(self.tables[:b], self.tiles[:, :b], 1))
         return self.model.forward(self.ids[:b], self.pos[:b], meta, self.cache, self.attn, self.last[:b])
 
-    def capture(self) -> None:
-        """Capture every bucket's graph (CUDA only), largest first, one progress line each."""
+    def capture(self, progress: Callable[[str], None] | None = None) -> None:
+        """Capture every bucket's graph (CUDA only), largest first, one progress line (and
+        one `progress("capturing graphs i/n")`) each."""
+        n = len(self.buckets)
+        if progress is not None:
+            progress(f"capturing graphs 0/{n}")
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -89,7 +94,9 @@ class DecodeGraphs:
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = g
-            log.info("CUDA graphs: captured decode batch %d (%d/%d)", b, i + 1, len(self.buckets))
+            log.info("CUDA graphs: captured decode batch %d (%d/%d)", b, i + 1, n)
+            if progress is not None:
+                progress(f"capturing graphs {i + 1}/{n}")
         torch.cuda.synchronize()
         # captures ran the forward on padding only: the scratch block took all the writes
 
