@@ -63,7 +63,7 @@ def test_many_concurrent_streams_keep_their_order(serve_app, smol_llm):
         got = list(ex.map(stream, range(24)))
     chunks = 0
     for i, chunks_i in enumerate(got):
-        assert [t for c in chunks_i for t in c.token_ids] == want[i], i
+        assert [t for c in chunks_i for t in c.delta_token_ids] == want[i], i
         assert chunks_i[-1].finish_reason == "length"
         chunks += len(chunks_i)
     after = _ingress(serve_app)
@@ -77,19 +77,23 @@ def test_streams_cancelled_mid_batch_take_nothing_from_the_others(serve_app, smo
     keep = [f"Tell me about the river number {i}." for i in range(3)]
     want = [o.token_ids for o in smol_llm.generate(
         keep, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
-    session = f"cancel-{time.monotonic()}"  # one session: every stream on one worker
+    # one session, interleaved: affinity keeps three on its worker, then the rest follow the
+    # session to the other one (max_imbalance 2), so each worker's batches mix both kinds
+    session = f"cancel-{time.monotonic()}"
     with grpc.insecure_channel(serve_app.grpc_target) as ch:
         stub = kvserve_pb2_grpc.KVServeStub(ch)
         md = serve_app.metadata
-        cut = [stub.GenerateStream(_req(f"Count to {i}00:", 400, session), metadata=md)
-               for i in range(3)]
-        kept = [stub.GenerateStream(_req(p, 24, session), metadata=md) for p in keep]
+        cut, kept = [], []
+        for i, p in enumerate(keep):
+            cut.append(stub.GenerateStream(_req(f"Count to {i}00:", 400, session), metadata=md))
+            kept.append(stub.GenerateStream(_req(p, 24, session), metadata=md))
         firsts = [next(c) for c in cut + kept]
-        assert len({f.worker_id for f in firsts}) == 1
+        cut_on = {f.worker_id for f in firsts[:3]}
+        assert cut_on & {f.worker_id for f in firsts[3:]}, firsts
         for c in cut:
             next(c)
             c.cancel()  # the client leaves while its chunks share batches with the others
-        got = [[t for f in [first] for t in f.token_ids] + [t for r in c for t in r.token_ids]
+        got = [list(first.delta_token_ids) + [t for r in c for t in r.delta_token_ids]
                for first, c in zip(firsts[3:], kept, strict=True)]
     assert got == want
     _wait_idle(serve_app)  # the cancelled requests were aborted and their KV freed
@@ -150,17 +154,17 @@ def test_worker_killed_mid_batch_fails_exactly_its_streams(serve_app):
         with ThreadPoolExecutor(1) as ex:
             watch = ex.submit(_watch_state, stub, md, victim, states)
             for first, call in zip(firsts, calls, strict=True):
-                n = len(first.token_ids)
+                n = len(first.delta_token_ids)
                 if first.worker_id == victim:
                     with pytest.raises(grpc.RpcError) as ei:
                         for r in call:
-                            n += len(r.token_ids)
+                            n += len(r.delta_token_ids)
                     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
                     assert f"after {n} tokens" in ei.value.details()
                 else:
                     last = first
                     for r in call:
-                        n, last = n + len(r.token_ids), r
+                        n, last = n + len(r.delta_token_ids), r
                     assert n == 150 and last.finish_reason == "length"
             watch.result(timeout=180)
     # the restarted worker reported its start-up (GetServerInfo) until it was ready
