@@ -35,7 +35,7 @@ class WorkerFeed:
         self.inboxes: dict[str, Inbox] = {}
         self.dead = False
         self.batches = 0
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         self.ready: asyncio.Future = loop.create_future()
         self.task = loop.create_task(self._read(), context=outside_request())
 
@@ -108,7 +108,10 @@ class TokenDemux:
 
     def _feed(self, idx: int, worker: Any) -> WorkerFeed:
         feed = self.feeds.get(idx)
-        if feed is None or feed.dead or feed.worker is not worker:
+        # a feed lives on the event loop that opened it (a replica has one; callers that run
+        # one loop after another, such as tests driving a Service, get a feed per loop)
+        if (feed is None or feed.dead or feed.worker is not worker
+                or feed.loop is not asyncio.get_running_loop()):
             feed = self.feeds[idx] = WorkerFeed(worker, idx)
         return feed
 
