@@ -108,6 +108,7 @@ class WorkerActor(StreamMoves, TokenBatches):
         self.started_at = time.time()
         self.config = EngineConfig(**engine_config)
         self._reporter = reporter
+        _log_info_in_actor()
         t0 = time.monotonic()
         try:
             engine = LLMEngine(self.config, lambda state: self._report(state, 0.0))
@@ -326,6 +327,20 @@ class WorkerActor(StreamMoves, TokenBatches):
             except Exception:  # metrics must never take a worker down
                 log.exception("exporting worker metrics failed")
             await asyncio.sleep(METRICS_PERIOD_S)
+
+
+def _log_info_in_actor() -> None:
+    """Ray leaves an actor's Python logging at WARNING: give kvserve's INFO lines (start-up
+    progress, CUDA-graph captures) a handler, written to the worker's log (.err)."""
+    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+        return  # in-process (tests): the host's logging setup stays as it is
+    kv = logging.getLogger("kvserve")
+    if not kv.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        kv.addHandler(h)
+        kv.setLevel(logging.INFO)
+        kv.propagate = False
 
 
 def create_worker(
