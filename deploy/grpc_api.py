@@ -194,7 +194,8 @@ class GrpcFrontend:
                 total_device_blocks=w["kv_blocks_total"],
                 held_device_blocks=w["held_device_blocks"], held_host_blocks=w["held_host_blocks"],
                 restarts=w["restarts"], stats=w["stats"], inflight=w["inflight"],
-                reconciled_slots=w["reconciled_slots"],
+                reconciled_slots=w["reconciled_slots"], state=w["state"],
+                load_seconds=w["load_s"],
             )
             for w in info["workers"]
         ]

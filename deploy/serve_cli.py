@@ -174,7 +174,9 @@ def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
     s.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
-    s.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 if CUDA else 0")
+    s.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
+                        "default: 1 if CUDA else 0")
     s.add_argument("--cpus-per-worker", type=float, default=1)
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
@@ -205,6 +207,11 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def cmd_serve(a: Any) -> int:
+    return serve_forever(config_from_args(a), ray_host=a.ray_host)
+
+
+def config_from_args(a: Any) -> ServeConfig:
+    """The ServeConfig of `kvserve serve`'s arguments."""
     engine = {k: v for k, v in {
         "kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
         "max_num_seqs": a.max_num_seqs, "num_threads": a.threads}.items() if v is not None}
@@ -221,4 +228,4 @@ def cmd_serve(a: Any) -> int:
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
         shutdown_grace_s=a.shutdown_grace_s,
     )
-    return serve_forever(cfg, ray_host=a.ray_host)
+    return cfg

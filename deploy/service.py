@@ -1,7 +1,8 @@
 """Service: request validation, routing and streaming shared by the gRPC and HTTP front ends.
 
 The ingress validates and tokenizes (so bad input never reaches a worker), asks the router
-for a worker (one small actor call), then streams chunks straight from that worker. A worker
+for a worker (one small actor call), starts the request there and reads its chunks from
+the replica's one token stream with that worker (token_demux.py). A worker
 that dies before the first token is retried on another one; after tokens were sent the
 client gets UNAVAILABLE, told how many tokens it already has.
 """
@@ -24,6 +25,7 @@ from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.deploy.stream_relay import StreamRelay
+from kvserve.deploy.token_demux import TokenDemux
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
@@ -75,6 +77,7 @@ class Service:
         self.vocab_size = 0
         self.block_size = cfg.engine_config().block_size
         self.live: dict[str, Slot] = {}  # slot id -> slot, for requests being served here
+        self.tokens = TokenDemux()  # this replica's token streams from the workers
         # requests moved to another worker after theirs died before a first token, and
         # picks that waited for a restarting router or worker (both shown in server info)
         self.retries = 0
@@ -193,11 +196,10 @@ class Service:
                     await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,
-                                    lambda src, dst, s=slot: self._moved(s, src, dst), slot.slot_id)
+                                    lambda src, dst, s=slot: self._moved(s, src, dst), slot.slot_id,
+                                    self.tokens)
                 slot.worker = relay.worker
-                gen = slot.worker.generate.remote(req.request_id, req.prompt_ids, params,
-                                                  slot.slot_id)
-                async for chunk in relay.chunks(gen):
+                async for chunk in relay.chunks(req.prompt_ids, params):
                     if "error" in chunk:
                         slot.finished = True
                         raise ServiceError(chunk["error"], chunk["message"])
@@ -229,7 +231,10 @@ class Service:
 
     async def _refresh_workers(self) -> None:
         """The router's worker handles, updated in place: relays under way see new ones."""
-        self.epoch, workers = await self.router.workers_with_epoch.remote()
+        epoch, workers = await self.router.workers_with_epoch.remote()
+        if epoch != getattr(self, "epoch", epoch):  # a new router: its workers are new ones
+            self.tokens.forget()
+        self.epoch = epoch
         self.workers[:] = workers
 
     async def _moved(self, slot: Slot, src: int, dst: int) -> None:
@@ -334,7 +339,7 @@ class Service:
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
         # this ingress replica's own view: slots it holds for requests it is serving
         info["ingress"] = {"slots": len(self.live), "retries": self.retries,
-                           "pick_waits": self.waits}
+                           "pick_waits": self.waits, **self.tokens.info()}
         return info
 
 

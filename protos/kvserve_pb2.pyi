@@ -201,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,8 @@ class WorkerInfo(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     RECONCILED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     running: int
@@ -235,7 +237,9 @@ class WorkerInfo(_message.Message):
     stats: _containers.ScalarMap[str, float]
     inflight: int
     reconciled_slots: int
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ...) -> None: ...
+    state: str
+    load_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "model", "workers", "routing_policy")

@@ -29,6 +29,11 @@ class RouterConfig:
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
         engine = dict(self.engine)
+        if engine.get("device", "auto") == "auto":
+            # a worker with a GPU share runs on it (Ray sets CUDA_VISIBLE_DEVICES per actor);
+            # one without runs on the CPU even on a CUDA host, rather than on a GPU it was
+            # not given
+            engine["device"] = "cuda" if self.num_gpus_per_worker > 0 else "cpu"
         # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1)
         if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
             engine["num_threads"] = max(1, node_cores // self.num_workers)

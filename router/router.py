@@ -20,6 +20,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
+from kvserve.router.worker_state import WorkerState
 from kvserve.workers.worker_actor import create_worker
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,10 @@ class RouterActor:
         self.deployed = RouterConfig(**router_config)
         self.digest = self.deployed.digest()
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
+        # created side by side: each call returns at once, the loads run in parallel
         self.handles = [self._start_worker(i) for i in range(self.cfg.num_workers)]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
+        self.states = [WorkerState() for _ in self.views]
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
         self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
@@ -59,7 +62,8 @@ class RouterActor:
         return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
                              self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
                              stream_interval_ms=self.cfg.stream_interval_ms,
-                             model_name=self.cfg.model_name)
+                             model_name=self.cfg.model_name,
+                             reporter=_own_handle())  # the workers report start-up progress here
 
     def _serving(self) -> list[int]:
         """Workers that are neither drained (stopped) nor draining."""
@@ -74,6 +78,7 @@ class RouterActor:
         infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live))
         for i, info in zip(live, infos, strict=True):
             self.views[i].alive, self.views[i].incarnation = True, info["incarnation"]
+            self.states[i].ready(info.get("load_s", 0.0))
         self._info = infos[0]
         await self._poll_once()
         if self._poller is None:
@@ -106,6 +111,7 @@ class RouterActor:
             i = len(self.handles)
             self.handles.append(self._start_worker(i))
             self.views.append(WorkerView(i, f"worker-{i}"))
+            self.states.append(WorkerState())
             self.mover.add_worker(i)
             added.append(i)
         if added:
@@ -198,6 +204,12 @@ class RouterActor:
             return {"error": f"no worker {idx}; workers are 0..{len(self.views) - 1}"}
         return await self.mover.drain(idx, timeout_s)
 
+    def worker_state(self, worker_id: str, incarnation: str, state: str, load_s: float) -> None:
+        """A worker's start-up progress ("loading", "capturing graphs 3/9", "ready")."""
+        idx = int(worker_id.rsplit("-", 1)[1])
+        if 0 <= idx < len(self.states):
+            self.states[idx].report(incarnation, state, load_s)
+
     def report_failure(self, idx: int) -> None:
         """The ingress saw this worker die: stop routing to it until a poll finds it back."""
         v = self.views[idx]
@@ -228,7 +240,9 @@ class RouterActor:
                 load = await asyncio.wait_for(self.handles[v.idx].load.remote(), timeout=5.0)
             except Exception:  # dead or restarting: Ray brings it back, a later poll notices
                 v.alive = False
+                self.states[v.idx].lost()
                 return
+            self.states[v.idx].answered()
             self._update(v, load)
             self.mover.observe(v.idx, load)
 
@@ -303,7 +317,18 @@ class RouterActor:
                  "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
                  "restarts": v.restarts, "reconciled_slots": v.reconciled,
                  "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases,
-                 "stats": {**v.stats, **self.mover.stats(v.idx)}}
+                 "stats": {**v.stats, **self.mover.stats(v.idx)},
+                 "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s}
                 for v in self.views
             ],
         }
+
+
+def _own_handle() -> Any:
+    """This actor's handle (None outside Ray: nobody to report to)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:
+        return None

@@ -1,6 +1,8 @@
 """WorkerActor: one AsyncLLMEngine in a Ray actor, streaming coalesced chunks to the ingress.
 
-Each request's outputs are pumped from the engine into a per-request buffer; the Ray
+The ingress reaches a request's chunks through its subscription (token_batches.py: one Ray
+item per engine step for all of that ingress replica's requests here); `generate` and
+`resume` are the per-request streams those batches are made of. Each request's outputs are pumped from the engine into a per-request buffer; the Ray
 streaming generator yields everything buffered so far as one chunk. Chunks are paced
 (stream_pacing.py): the first and last go at once, the others at most once per interval,
 the steps in between merged; when the consumer falls behind (Ray's generator backpressure
@@ -26,10 +28,12 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.engine import LLMEngine
 from kvserve.workers.engine.migration import StreamMoved
 from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
 from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
+from kvserve.workers.token_batches import Subscription, TokenBatches
 
 log = logging.getLogger(__name__)
 
@@ -86,26 +90,47 @@ def _chunk_logprobs(outs: list[RequestOutput]) -> tuple[list[float], list[list] 
     return lps, tops
 
 
-class WorkerActor(StreamMoves):
+class WorkerActor(StreamMoves, TokenBatches):
     """Ray actor body (wrapped with ray.remote by `create_worker`)."""
 
     def __init__(
         self, worker_id: str, engine_config: dict[str, Any],
         stream_interval_ms: float | None = None, on_gpu: bool = False, model_name: str = "",
+        reporter: Any = None,
     ) -> None:
+        """`reporter` (the router) hears the start-up's progress: `worker_state(worker_id,
+        incarnation, state, load_s)` with "loading", "capturing graphs i/n", then "ready";
+        the actor answers no call before it is ready, so this is how it shows meanwhile."""
         self.worker_id = worker_id
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
         # changes on every (re)start: lets the router notice that the actor was replaced
         self.incarnation = uuid.uuid4().hex
         self.started_at = time.time()
         self.config = EngineConfig(**engine_config)
-        self.engine = AsyncLLMEngine(self.config)
+        self._reporter = reporter
+        _log_info_in_actor()
+        t0 = time.monotonic()
+        try:
+            engine = LLMEngine(self.config, lambda state: self._report(state, 0.0))
+        except Exception as e:
+            self._report(f"failed: {e}", time.monotonic() - t0)
+            raise
+        self.engine = AsyncLLMEngine(self.config, engine)
+        self.load_s = time.monotonic() - t0
+        self._report("ready", self.load_s)
         self.metrics = WorkerMetrics(model_name or model_stem(self.engine.engine.model_path),
                                      worker_id)
         self._requests: dict[str, _Request] = {}
+        self._subs: dict[str, Subscription] = {}
         self._gauges: dict[str, Any] = {}
         self._metrics_task: asyncio.Task | None = None
         self.served = 0
+
+    def _report(self, state: str, load_s: float) -> None:
+        log.info("%s: %s (device %s%s)", self.worker_id, state, self.config.resolved_device(),
+                 f", {load_s:.1f} s" if load_s else "")
+        if self._reporter is not None:  # fire and forget: start-up never waits on the router
+            self._reporter.worker_state.remote(self.worker_id, self.incarnation, state, load_s)
 
     # ---- requests -------------------------------------------------------------------------
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
@@ -263,6 +288,8 @@ class WorkerActor(StreamMoves):
             "vocab_size": eng.model_config.vocab_size,
             "block_size": self.config.block_size,
             "model_path": str(eng.model_path),
+            "device": self.config.resolved_device(),
+            "load_s": self.load_s,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -302,6 +329,20 @@ class WorkerActor(StreamMoves):
             await asyncio.sleep(METRICS_PERIOD_S)
 
 
+def _log_info_in_actor() -> None:
+    """Ray leaves an actor's Python logging at WARNING: give kvserve's INFO lines (start-up
+    progress, CUDA-graph captures) a handler, written to the worker's log (.err)."""
+    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+        return  # in-process (tests): the host's logging setup stays as it is
+    kv = logging.getLogger("kvserve")
+    if not kv.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        kv.addHandler(h)
+        kv.setLevel(logging.INFO)
+        kv.propagate = False
+
+
 def create_worker(
     worker_id: str,
     engine_config: dict[str, Any],
@@ -310,14 +351,23 @@ def create_worker(
     name: str | None = None,
     stream_interval_ms: float | None = None,
     model_name: str = "",
+    reporter: Any = None,
 ) -> Any:
-    """Start a worker actor that Ray restarts (fresh engine) whenever it dies."""
-    cls = ray.remote(WorkerActor)
-    return cls.options(
-        name=name,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        max_restarts=-1,
-        max_task_retries=0,  # a half-served stream must not be replayed behind the client
-        max_concurrency=1000,
-    ).remote(worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name)
+    """Start a worker actor that Ray restarts (fresh engine) whenever it dies. This returns
+    at once: Ray starts several workers' processes and model loads side by side. With
+    `num_gpus` (a fraction lets workers share a GPU) Ray gives the actor its GPU through
+    CUDA_VISIBLE_DEVICES, and the engine's device "cuda" is that GPU."""
+    return ray.remote(WorkerActor).options(**worker_options(num_cpus, num_gpus, name)).remote(
+        worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter)
+
+
+def worker_options(num_cpus: float, num_gpus: float, name: str | None = None) -> dict[str, Any]:
+    """The Ray actor options of a worker."""
+    return {
+        "name": name,
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "max_restarts": -1,
+        "max_task_retries": 0,  # a half-served stream must not be replayed behind the client
+        "max_concurrency": 1000,
+    }

@@ -104,3 +104,24 @@ def test_start_up_waits_through_timeouts_and_says_what_it_waited_for():
 
     with pytest.raises(TimeoutError, match="gave up waiting for the proxies.*KVSERVE_START_TIMEOUT_S"):
         _until_ready(never, "the proxies", time.monotonic() - 1)
+
+
+def test_gpus_per_worker_reaches_the_worker_actors_and_their_device():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.serve_cli import config_from_args
+    from kvserve.workers.worker_actor import worker_options
+
+    a = build_parser().parse_args(["serve", "--workers", "2", "--gpus-per-worker", "0.5"])
+    cfg = config_from_args(a)
+    assert cfg.num_gpus_per_worker == 0.5  # two workers share one GPU
+    rc = cfg.router_config()
+    assert worker_options(rc.num_cpus_per_worker, rc.num_gpus_per_worker)["num_gpus"] == 0.5
+    assert rc.worker_engine(8)["device"] == "cuda"  # the GPU Ray gives the actor
+    cpu = config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "0"]))
+    assert cpu.router_config().worker_engine(8)["device"] == "cpu"
+    assert worker_options(1, 0)["num_gpus"] == 0
+    # an explicit device wins; a negative share is refused with a clear error
+    pinned = ServeConfig(num_gpus_per_worker=1, engine={"device": "cuda:1"})
+    assert pinned.worker_engine(8)["device"] == "cuda:1"
+    with pytest.raises(ValueError, match="num_gpus_per_worker"):
+        config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "-1"]))

@@ -100,3 +100,22 @@ def test_pacing_intervals():
     assert StreamPacing.from_config(None, on_gpu=True).interval(64) == 0.0
     assert StreamPacing.from_config(0, on_gpu=False).interval(64) == 0.0
     assert StreamPacing.from_config(120, on_gpu=True).interval(1) == pytest.approx(0.12)
+
+
+def test_start_up_states_reach_the_reporter():
+    calls: list[tuple] = []
+
+    class Router:  # stands for the router's handle: `worker_state.remote(...)`
+        class worker_state:  # noqa: N801
+            @staticmethod
+            def remote(*args: object) -> None:
+                calls.append(args)
+
+    w = WorkerActor("worker-s", ENGINE, reporter=Router())
+    try:
+        assert [c[2] for c in calls] == ["loading", "ready"]  # no graphs on the CPU
+        assert all(c[:2] == ("worker-s", w.incarnation) for c in calls)
+        assert calls[-1][3] > 0 and w.info()["load_s"] == calls[-1][3]
+        assert w.info()["device"] == "cpu"
+    finally:
+        w.engine.shutdown()

@@ -187,8 +187,9 @@ class AsyncLLMEngine:
         self._fail_all(RuntimeError("engine shut down"))
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their consumers: one wake-up per event loop per step,
-        not one per stream (each costs a handle and a self-pipe write)."""
+        """Hand a step's outputs to their consumers: one callback per event loop, so that
+        every stream of the step wakes in the same pass of its loop (the worker batches
+        them into one Ray item)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outs:
             st = self._streams.get(out.request_id)
@@ -196,15 +197,12 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            items = by_loop.get(st.loop)
-            if items is None:
-                items = by_loop[st.loop] = []
-            items.append((st, out))
+            by_loop.setdefault(st.loop, []).append((st, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the consumers' loop is closed
-                for _, out in items:
+                for _st, out in items:
                     if not out.finished:
                         self.engine.abort(out.request_id)
                         self._streams.pop(out.request_id, None)

@@ -18,19 +18,22 @@ from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
-from kvserve.workers.model.runner import DTYPES, ModelRunner
+from kvserve.workers.model.runner import DTYPES, ModelRunner, Progress
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
+        """`progress(state)` hears each stage of the start-up (loading, graph captures)."""
         self.config = config
         path = resolve_model(config.model)
         self.model_path = path
+        if progress is not None:
+            progress("loading")
         self.tokenizer: Tokenizer = load_tokenizer(path)
         loaded = load_model(path, dtype=DTYPES[config.resolved_dtype()])
-        self.runner = ModelRunner(loaded, config)
+        self.runner = ModelRunner(loaded, config, progress)
         self.model_config = loaded.config
         self.max_model_len = self.runner.max_model_len
         self.kv = self.runner.kv

@@ -14,6 +14,7 @@ forward eagerly, so the bucket, padding and buffer logic is checked without a GP
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -105,8 +106,12 @@ class DecodeGraphs:
         if n:
             self.tables[:n, :w].copy_(self.inputs[6 * b : end].view(n, w))
 
-    def capture(self) -> None:
-        """Capture every bucket's graph (CUDA only), largest first, one progress line each."""
+    def capture(self, progress: Callable[[str], None] | None = None) -> None:
+        """Capture every bucket's graph (CUDA only), largest first, one progress line (and
+        one `progress("capturing graphs i/n")`) each."""
+        n = len(self.buckets)
+        if progress is not None:
+            progress(f"capturing graphs 0/{n}")
         empty = np.zeros(0, np.int64)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -124,7 +129,9 @@ class DecodeGraphs:
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = g
-            log.info("CUDA graphs: captured decode batch %d (%d/%d)", b, i + 1, len(self.buckets))
+            log.info("CUDA graphs: captured decode batch %d (%d/%d)", b, i + 1, n)
+            if progress is not None:
+                progress(f"capturing graphs {i + 1}/{n}")
         torch.cuda.synchronize()
         # captures ran the forward on padding only: the scratch block took all the writes
 

@@ -9,6 +9,7 @@ if the forward raises, the reservation is rolled back and the cache is as it was
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,8 +31,13 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# hears start-up stages: "loading", "capturing graphs 3/9"
+Progress = Callable[[str], None]
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig,
+                 progress: Progress | None = None) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype = DTYPES[config.resolved_dtype()]
@@ -62,7 +68,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.cache, self.attn, config.max_num_seqs,
                                        -(-max_tokens // config.block_size), config.num_blocks)
             log.info("capturing CUDA graphs for decode batches %s", self.graphs.buckets)
-            self.graphs.capture()
+            self.graphs.capture(progress)
         self.host: HostTier | None = None
         host_bytes = (default_host_bytes() if config.host_cache_gib is None
                       else int(config.host_cache_gib * 2**30))

@@ -1,0 +1,165 @@
+"""The ingress's token demultiplexer with fake workers (no Ray): batches sorted into the
+right requests in order, a slow reader's chunks merged, a dead worker failing exactly its
+own requests, a restarted worker subscribed to anew."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvserve.deploy.token_demux import TokenDemux
+from kvserve.deploy.token_inbox import Inbox, merge
+
+
+class FakeStream:
+    """Stands for Ray's ObjectRefGenerator: yields awaitables of the items."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> asyncio.Future:
+        item = await self.items.get()
+        if isinstance(item, BaseException):
+            raise item
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(item)
+        return fut
+
+
+class Remote:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.streams: dict[str, FakeStream] = {}
+        self.subscribe = Remote(self._subscribe)
+
+    def _subscribe(self, sub_id: str) -> FakeStream:
+        s = self.streams[sub_id] = FakeStream()
+        s.items.put_nowait({"subscribed": "inc-1"})
+        return s
+
+    def send(self, batch: dict[str, list[dict]]) -> None:
+        for s in self.streams.values():
+            s.items.put_nowait({"batch": batch})
+
+    def die(self, error: BaseException) -> None:
+        for s in self.streams.values():
+            s.items.put_nowait(error)
+        self.streams.clear()
+
+
+def chunk(ids: list[int], finish: str | None = None) -> dict[str, Any]:
+    return {"token_ids": ids, "text": "".join(f"<{i}>" for i in ids), "finish_reason": finish,
+            "stop_reason": None, "usage": [3, 0, ids[-1]], "worker_id": "worker-0"}
+
+
+async def started(sub_id: str) -> bool:
+    return True
+
+
+async def collect(agen: Any, into: list[dict], delay: float = 0.0) -> None:
+    async for c in agen:
+        into.append(c)
+        await asyncio.sleep(delay)
+
+
+def test_batches_reach_their_requests_in_order_and_slow_readers_merge():
+    async def run() -> tuple[list[dict], list[dict], dict]:
+        w, demux = FakeWorker(), TokenDemux()
+        a: list[dict] = []
+        b: list[dict] = []
+        ta = asyncio.create_task(collect(demux.stream(0, w, "a", started), a))
+        tb = asyncio.create_task(collect(demux.stream(0, w, "b", started), b, delay=0.2))
+        await asyncio.sleep(0.05)
+        assert len(w.streams) == 1  # both requests on one subscription
+        w.send({"a": [chunk([1])], "b": [chunk([1])]})
+        await asyncio.sleep(0.05)
+        for n in range(2, 8):  # b's reader sleeps through these: they merge for it
+            w.send({"a": [chunk([n])], "b": [chunk([n])], "gone": [chunk([n])]})
+            await asyncio.sleep(0.01)
+        w.send({"a": [chunk([8], "length")], "b": [chunk([8], "length")]})
+        await asyncio.wait_for(asyncio.gather(ta, tb), 10)
+        return a, b, demux.info()
+
+    a, b, info = asyncio.run(run())
+    for got in (a, b):
+        assert [t for c in got for t in c["token_ids"]] == list(range(1, 9))
+        assert "".join(c["text"] for c in got) == "".join(f"<{i}>" for i in range(1, 9))
+        assert got[-1]["finish_reason"] == "length" and got[-1]["usage"] == [3, 0, 8]
+    assert len(a) == 8 and len(b) < 4  # the slow reader got few, larger chunks
+    assert info == {"token_streams": 1, "token_batches": 8}
+
+
+def test_a_dead_worker_fails_exactly_its_requests_and_is_subscribed_anew():
+    class Gone(Exception):
+        pass
+
+    async def run() -> None:
+        w0, w1, demux = FakeWorker(), FakeWorker(), TokenDemux()
+        on0: list[dict] = []
+        on1: list[dict] = []
+        t0 = asyncio.create_task(collect(demux.stream(0, w0, "x", started), on0))
+        t1 = asyncio.create_task(collect(demux.stream(1, w1, "y", started), on1))
+        await asyncio.sleep(0.05)
+        w0.send({"x": [chunk([1])]})
+        w1.send({"y": [chunk([1])]})
+        await asyncio.sleep(0.05)
+        w0.die(Gone("worker-0 died"))
+        with pytest.raises(Gone):
+            await asyncio.wait_for(t0, 5)
+        assert [c["token_ids"] for c in on0] == [[1]]  # what came before the death, then the error
+        w1.send({"y": [chunk([2], "stop")]})
+        await asyncio.wait_for(t1, 5)
+        assert [c["token_ids"] for c in on1] == [[1], [2]]
+        # the next request on worker 0 subscribes to its restarted actor
+        again: list[dict] = []
+        t2 = asyncio.create_task(collect(demux.stream(0, w0, "z", started), again))
+        await asyncio.sleep(0.05)
+        w0.send({"z": [chunk([5], "stop")]})
+        await asyncio.wait_for(t2, 5)
+        assert again[0]["token_ids"] == [5]
+
+    asyncio.run(run())
+
+
+def test_a_worker_that_forgot_the_subscription_gets_a_new_one():
+    async def run() -> None:
+        w, demux = FakeWorker(), TokenDemux()
+        subs: list[str] = []
+
+        async def start(sub_id: str) -> bool:
+            subs.append(sub_id)
+            return len(subs) > 1  # the first answer: "no such subscription" (it restarted)
+
+        got: list[dict] = []
+        task = asyncio.create_task(collect(demux.stream(0, w, "r", start), got))
+        await asyncio.sleep(0.05)
+        assert len(subs) == 2 and subs[0] != subs[1]
+        w.streams[subs[1]].items.put_nowait({"batch": {"r": [chunk([4], "stop")]}})
+        await asyncio.wait_for(task, 5)
+        assert got[0]["token_ids"] == [4]
+
+    asyncio.run(run())
+
+
+def test_merge_and_end_markers():
+    m = merge(chunk([1]) | {"logprobs": [-0.5], "top_logprobs": None},
+              chunk([2]) | {"logprobs": [-0.25], "top_logprobs": None})
+    assert m["token_ids"] == [1, 2] and m["logprobs"] == [-0.5, -0.25] and m["text"] == "<1><2>"
+    assert m["top_logprobs"] is None  # not asked for: stays absent
+
+    async def run() -> list[dict]:
+        box = Inbox()
+        box.put(chunk([1]))
+        box.put({"end": True})  # the worker ended it without a last chunk (an abort)
+        return [c async for c in box.chunks()]
+
+    assert [c["token_ids"] for c in asyncio.run(run())] == [[1]]

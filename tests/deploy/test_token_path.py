@@ -1,0 +1,186 @@
+"""The batched token path end to end (real Ray, workers, gRPC): many concurrent streams keep
+their order and come in shared batches; streams cancelled mid-batch take nothing from the
+others; a slow consumer stalls nobody; a worker killed mid-batch fails exactly its own
+streams with UNAVAILABLE, and its state goes through loading back to ready."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+
+from kvserve.protos import kvserve_pb2 as pb
+from kvserve.protos import kvserve_pb2_grpc
+from kvserve.sampling import SamplingParams
+
+
+def _req(prompt: str, n: int, session: str | None = None) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+        max_tokens=n, temperature=0, ignore_eos=True))
+    if session:
+        r.session_id = session
+    return r
+
+
+def _ingress(serve_app) -> dict:
+    req = urllib.request.Request(serve_app.http_url + "/v1/server_info",
+                                 headers={"authorization": f"Bearer {serve_app.api_key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["ingress"]
+
+
+def _wait_idle(serve_app, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [ray.get(w.stats.remote()) for w in serve_app.workers()]
+        info = serve_app.server_info()["workers"]
+        if all(s["running"] == s["waiting"] == s["kv_blocks_used"] == 0 for s in stats) \
+                and not any(w["inflight"] for w in info):
+            return
+        assert time.monotonic() < deadline, (stats, info)
+        time.sleep(0.2)
+
+
+def test_many_concurrent_streams_keep_their_order(serve_app, smol_llm):
+    prompts = [f"Write a list of {i} fruits and {i + 3} colours:" for i in range(24)]
+    want = [o.token_ids for o in smol_llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    before = _ingress(serve_app)
+
+    def stream(i: int) -> list[pb.GenerateStreamResponse]:
+        with grpc.insecure_channel(serve_app.grpc_target) as ch:
+            stub = kvserve_pb2_grpc.KVServeStub(ch)
+            return list(stub.GenerateStream(_req(prompts[i], 16), metadata=serve_app.metadata,
+                                            timeout=300))
+
+    with ThreadPoolExecutor(24) as ex:
+        got = list(ex.map(stream, range(24)))
+    chunks = 0
+    for i, chunks_i in enumerate(got):
+        assert [t for c in chunks_i for t in c.delta_token_ids] == want[i], i
+        assert chunks_i[-1].finish_reason == "length"
+        chunks += len(chunks_i)
+    after = _ingress(serve_app)
+    assert after["token_streams"] <= 2  # one per worker, for all 24 streams
+    # the workers' Ray items carried several streams' chunks each
+    assert after["token_batches"] - before["token_batches"] < chunks / 2
+    _wait_idle(serve_app)
+
+
+def test_streams_cancelled_mid_batch_take_nothing_from_the_others(serve_app, smol_llm):
+    keep = [f"Tell me about the river number {i}." for i in range(3)]
+    want = [o.token_ids for o in smol_llm.generate(
+        keep, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    # one session, interleaved: affinity keeps three on its worker, then the rest follow the
+    # session to the other one (max_imbalance 2), so each worker's batches mix both kinds
+    session = f"cancel-{time.monotonic()}"
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = kvserve_pb2_grpc.KVServeStub(ch)
+        md = serve_app.metadata
+        cut, kept = [], []
+        for i, p in enumerate(keep):
+            cut.append(stub.GenerateStream(_req(f"Count to {i}00:", 400, session), metadata=md))
+            kept.append(stub.GenerateStream(_req(p, 24, session), metadata=md))
+        firsts = [next(c) for c in cut + kept]
+        cut_on = {f.worker_id for f in firsts[:3]}
+        assert cut_on & {f.worker_id for f in firsts[3:]}, firsts
+        for c in cut:
+            next(c)
+            c.cancel()  # the client leaves while its chunks share batches with the others
+        got = [list(first.delta_token_ids) + [t for r in c for t in r.delta_token_ids]
+               for first, c in zip(firsts[3:], kept, strict=True)]
+    assert got == want
+    _wait_idle(serve_app)  # the cancelled requests were aborted and their KV freed
+
+
+def test_a_slow_consumer_stalls_no_other_stream(serve_app):
+    from kvserve.deploy.service import Service
+
+    async def run() -> tuple[list[dict], list[dict], float, int]:
+        svc = Service(serve_app.config, router=serve_app.router)
+        await svc.start()
+        ids = svc.tokenize(prompt="Describe the weather in a long paragraph.")
+        params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        slow_req = svc.build(ids, params, session_id="slowpoke")
+        fast_req = svc.build(ids, params, session_id="slowpoke")  # same worker, same batches
+        slow: list[dict] = []
+        fast: list[dict] = []
+
+        async def read_slow() -> None:
+            async for c in svc.stream(slow_req):
+                slow.append(c)
+                await asyncio.sleep(1.0)  # a client far behind its stream
+
+        slow_task = asyncio.create_task(read_slow())
+        t0 = time.monotonic()
+        async for c in svc.stream(fast_req):
+            fast.append(c)
+        fast_s, slow_then = time.monotonic() - t0, len(slow)
+        await asyncio.wait_for(slow_task, 180)
+        return slow, fast, fast_s, slow_then
+
+    slow, fast, fast_s, slow_then = asyncio.run(run())
+    tokens = [t for c in fast for t in c["token_ids"]]
+    assert len(tokens) == 40 and [t for c in slow for t in c["token_ids"]] == tokens
+    assert "".join(c["text"] for c in slow) == "".join(c["text"] for c in fast)
+    # the fast stream ran at its own pace (not one chunk per second of the slow reader's)
+    # and ended while the slow reader was still far behind ...
+    assert fast_s < 0.5 * len(fast) and slow_then < len(fast), (fast_s, slow_then, len(fast))
+    # ... whose chunks merged in the ingress rather than queueing one by one
+    assert max(len(c["token_ids"]) for c in slow) > 1
+    assert slow[-1]["finish_reason"] == "length" and slow[-1]["usage"][2] == 40
+    _wait_idle(serve_app)
+
+
+def test_worker_killed_mid_batch_fails_exactly_its_streams(serve_app):
+    serve_app.wait_all_alive()
+    md = serve_app.metadata
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = kvserve_pb2_grpc.KVServeStub(ch)
+        calls = [stub.GenerateStream(_req(f"Count from {i} to one thousand:", 150), metadata=md)
+                 for i in range(6)]
+        firsts = [next(c) for c in calls]
+        on = {f.worker_id for f in firsts}
+        assert on == {"worker-0", "worker-1"}, on  # the router spread them
+        victim = "worker-0"
+        ray.kill(serve_app.workers()[0], no_restart=False)
+        states: list[str] = []
+        with ThreadPoolExecutor(1) as ex:
+            watch = ex.submit(_watch_state, stub, md, victim, states)
+            for first, call in zip(firsts, calls, strict=True):
+                n = len(first.delta_token_ids)
+                if first.worker_id == victim:
+                    with pytest.raises(grpc.RpcError) as ei:
+                        for r in call:
+                            n += len(r.delta_token_ids)
+                    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert f"after {n} tokens" in ei.value.details()
+                else:
+                    last = first
+                    for r in call:
+                        n, last = n + len(r.delta_token_ids), r
+                    assert n == 150 and last.finish_reason == "length"
+            watch.result(timeout=180)
+    # the restarted worker reported its start-up (GetServerInfo) until it was ready
+    assert "ready" == states[-1] and "loading" in states, states
+    serve_app.wait_all_alive(timeout=120)
+    _wait_idle(serve_app)
+
+
+def _watch_state(stub, md, worker_id: str, states: list[str]) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md, timeout=30)
+        w = next(w for w in info.workers if w.worker_id == worker_id)
+        if not states or states[-1] != w.state:
+            states.append(w.state)
+        if w.state == "ready" and len(states) > 1:
+            assert w.load_seconds > 0
+            return
+        time.sleep(0.05)
