@@ -4,7 +4,7 @@ Requests (random or prefix-repetition prompts) go out at Poisson/gamma arrival t
 at most --max-concurrency at once, to the gRPC or OpenAI HTTP endpoint of a running
 service, or straight into an in-process AsyncLLMEngine (--target engine).
 --compare-engine runs the same requests through the engine and through the target, and
-prints the issue's two figures: output tok/s of target / engine, and the TTFT p50 overhead
+prints two figures: output tok/s of target / engine, and the TTFT p50 overhead
 in ms. It alternates the two over --rounds slices of the requests (the engine's turns with
 the self-started service paused), so that host drift does not decide the ratio; --rounds 1
 runs the whole engine run first, before Ray starts. Without --host and --port, a grpc/http

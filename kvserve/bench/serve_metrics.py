@@ -168,7 +168,7 @@ def format_block(
 
 
 def compare(engine: dict[str, Any], target: dict[str, Any]) -> dict[str, float]:
-    """The issue's two figures: output tok/s ratio target/engine and the TTFT p50 overhead."""
+    """The two headline figures: output tok/s ratio target/engine and the TTFT p50 overhead."""
     base = engine["output_throughput"]
     c = {
         "output_throughput_ratio": target["output_throughput"] / base if base > 0 else 0.0,

@@ -26,7 +26,7 @@ from kvserve.bench.common import (
     write_json,
 )
 
-# this CPU's limits as the issue states them (2 threads), for the roofline fraction
+# this CPU's measured limits (2 threads), for the roofline fraction
 ISSUE_GFLOPS = 68.0
 
 
