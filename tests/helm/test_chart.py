@@ -43,6 +43,7 @@ GPU_AUTOSCALING = {
         "engine": {"kv_cache_tokens": 1048576, "max_num_seqs": 128, "dtype": "bfloat16"},
         "hostCacheGib": 32, "routingPolicy": "least_loaded", "maxImbalance": 2,
         "maxInflightPerWorker": 512, "streamIntervalMs": 0, "servedModelName": "smol",
+        "shutdownGraceS": 300,
     },
     "workerGroup": {
         "gpus": 1, "replicas": 1, "minReplicas": 1, "maxReplicas": 4,
@@ -268,6 +269,13 @@ def test_serve_ports_follow_values():
     assert ports["serve"] == 8080 and ports["grpc"] == 50051 and ports["metrics"] == 9090
     rc = rs["spec"]["rayClusterConfig"]
     assert rc["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "9090"
+
+
+def test_shutdown_grace_reaches_the_app_and_the_pods():
+    rs = rayservice(manifests(render({"serve": {"shutdownGraceS": 300}})))
+    assert serve_config(rs)["applications"][0]["args"]["shutdown_grace_s"] == 300
+    for spec in ray_pod_specs(rs).values():
+        assert spec["terminationGracePeriodSeconds"] == 330
 
 
 # ---------------------------------------------------------------- the Ray cluster

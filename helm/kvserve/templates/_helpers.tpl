@@ -187,6 +187,7 @@ livenessProbe:
   "routing_policy" $s.routingPolicy
   "max_imbalance" $s.maxImbalance
   "max_inflight_per_worker" $s.maxInflightPerWorker
+  "shutdown_grace_s" $s.shutdownGraceS
 }}
 {{- $app := dict
   "name" "kvserve"
