@@ -255,18 +255,21 @@ def test_bench_request_is_plain_data():
 
 
 def test_cpu_meter_counts_this_process_as_the_bench():
+    import os
     import time
 
-    from kvserve.bench.serve_load import CpuMeter
+    from kvserve.bench.serve_load import CpuMeter, _tree_cpu
 
-    cpu0 = time.process_time()
+    tree0, cpu0 = _tree_cpu(), time.process_time()
     with CpuMeter() as meter:
         end = time.process_time() + 0.3
         while time.process_time() < end:  # 0.3 CPU seconds, however busy the machine is
             pass
     used = time.process_time() - cpu0
+    # children an earlier test left running count too: the meter measures the process tree
+    children = sum(t - tree0.get(pid, 0.0) for pid, t in _tree_cpu().items() if pid != os.getpid())
     f = meter.figures
-    assert f["bench_cores"] * f["wall_s"] == pytest.approx(used, abs=0.06)  # 10 ms ticks
+    assert used - 0.06 <= f["bench_cores"] * f["wall_s"] <= used + children + 0.06  # 10 ms ticks
     assert f["other_cores"] >= 0.0
     assert CpuMeter().warning("x") is None  # no figures, no warning
 
