@@ -232,7 +232,7 @@ class Service:
     async def _refresh_workers(self) -> None:
         """The router's worker handles, updated in place: relays under way see new ones."""
         epoch, workers = await self.router.workers_with_epoch.remote()
-        if epoch != getattr(self, "epoch", epoch):  # a new router: its workers are new ones
+        if epoch != self.epoch:  # a new router: its workers are new ones
             self.tokens.forget()
         self.epoch = epoch
         self.workers[:] = workers
