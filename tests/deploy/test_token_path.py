@@ -77,24 +77,25 @@ def test_streams_cancelled_mid_batch_take_nothing_from_the_others(serve_app, smo
     keep = [f"Tell me about the river number {i}." for i in range(3)]
     want = [o.token_ids for o in smol_llm.generate(
         keep, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
-    # one session, interleaved: affinity keeps three on its worker, then the rest follow the
-    # session to the other one (max_imbalance 2), so each worker's batches mix both kinds
+    # one session, interleaved, each request placed before the next is sent: the first cut
+    # and the first kept stream always share the session's worker (load 1 <= max_imbalance 2),
+    # so that worker's batches mix both kinds
     session = f"cancel-{time.monotonic()}"
     with grpc.insecure_channel(serve_app.grpc_target) as ch:
         stub = kvserve_pb2_grpc.KVServeStub(ch)
         md = serve_app.metadata
-        cut, kept = [], []
+        cut, kept, cut_firsts, kept_firsts = [], [], [], []
         for i, p in enumerate(keep):
             cut.append(stub.GenerateStream(_req(f"Count to {i}00:", 400, session), metadata=md))
+            cut_firsts.append(next(cut[-1]))
             kept.append(stub.GenerateStream(_req(p, 24, session), metadata=md))
-        firsts = [next(c) for c in cut + kept]
-        cut_on = {f.worker_id for f in firsts[:3]}
-        assert cut_on & {f.worker_id for f in firsts[3:]}, firsts
+            kept_firsts.append(next(kept[-1]))
+        assert cut_firsts[0].worker_id == kept_firsts[0].worker_id, cut_firsts + kept_firsts
         for c in cut:
             next(c)
             c.cancel()  # the client leaves while its chunks share batches with the others
         got = [list(first.delta_token_ids) + [t for r in c for t in r.delta_token_ids]
-               for first, c in zip(firsts[3:], kept, strict=True)]
+               for first, c in zip(kept_firsts, kept, strict=True)]
     assert got == want
     _wait_idle(serve_app)  # the cancelled requests were aborted and their KV freed
 
