@@ -203,6 +203,8 @@ def add_serve_parser(sub: Any) -> None:
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
+    e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
+                   help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -214,7 +216,8 @@ def config_from_args(a: Any) -> ServeConfig:
     """The ServeConfig of `kvserve serve`'s arguments."""
     engine = {k: v for k, v in {
         "kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
-        "max_num_seqs": a.max_num_seqs, "num_threads": a.threads}.items() if v is not None}
+        "max_num_seqs": a.max_num_seqs, "num_threads": a.threads,
+        "dtype": a.dtype}.items() if v is not None}
     gpus = a.gpus_per_worker
     if gpus is None:
         import torch

@@ -8,8 +8,10 @@ prints two figures: output tok/s of target / engine, and the TTFT p50 overhead
 in ms. It alternates the two over --rounds slices of the requests (the engine's turns with
 the self-started service paused), so that host drift does not decide the ratio; --rounds 1
 runs the whole engine run first, before Ray starts. Without --host and --port, a grpc/http
-run starts the service itself (one worker, the same engine settings as the in-process
-engine) and stops it at the end.
+run starts the service itself (one worker, the same engine settings, device and dtype as
+the in-process engine; on a CUDA host each worker gets a GPU share) and stops it at the end.
+--compare-workers runs the requests through one worker and through --workers N workers of
+the self-started service (kvserve.bench.serve_workers).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from kvserve.bench.serve_metrics import (
     parse_goodput,
 )
 from kvserve.bench.serve_migration import apply_skew, compare_migration
+from kvserve.bench.serve_placement import engine_config, resolve, service_engine
+from kvserve.bench.serve_workers import SEED_STEP, compare_workers
 
 DEFAULT_PORTS = {"grpc": 9000, "http": 8000}
 
@@ -87,7 +91,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=4,
                    help="with --compare-engine: alternate engine and target over this many "
                         "slices of the requests, the self-started service paused during the "
-                        "engine's (1 = the whole engine run first, then the target)")
+                        "engine's (1 = the whole engine run first, then the target); with "
+                        "--compare-workers: mirrored rounds of a 1-worker and an N-worker pass")
     p.add_argument("--num-warmups", type=int, default=2,
                    help="untimed requests (other prompts) before each timed run")
     p.add_argument("--seed", type=int, default=0)
@@ -98,12 +103,29 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("engine (in-process engine and self-started service)")
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU torch threads (default: all cores in-process, cores/N for each of "
+                        "N service workers; not for cuda)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="the engines' device, in-process and in the service's workers "
+                        "(auto: cuda if torch sees a GPU)")
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="weights and KV (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="self-started service: each worker's GPU share, in [0, 1] (0.5: two "
+                        "workers on one GPU); default on cuda: 1 while there is a GPU per "
+                        "worker, else an even share; 0 on cpu")
     g.add_argument("--stream-interval-ms", type=float, default=None,
                    help="self-started service: least time between a stream's chunks "
                         "(0 = every engine step; default: the service's automatic pacing)")
     m = p.add_argument_group("skewed load and stream migration (self-started service)")
-    m.add_argument("--workers", type=int, default=1, help="workers of the self-started service")
+    m.add_argument("--workers", type=int, default=None,
+                   help="workers of the self-started service (default 1; 2 with "
+                        "--compare-workers)")
+    m.add_argument("--compare-workers", action="store_true",
+                   help="the requests through one worker and through --workers N workers, "
+                        "each worker with 1/N of --kv-cache-tokens and the same GPU share, in "
+                        "mirrored passes (--rounds rounds of two)")
     m.add_argument("--skew", type=float, default=0.0,
                    help="share of requests in one session, pinned to one worker (0..1)")
     m.add_argument("--compare-migration", action="store_true",
@@ -238,16 +260,6 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def engine_config(a: argparse.Namespace) -> Any:
-    from kvserve.bench.common import available_cores
-    from kvserve.config import EngineConfig
-
-    # threads explicit on both sides: a Ray actor would otherwise get OMP_NUM_THREADS=num_cpus
-    kw = {"model": a.model, "kv_cache_tokens": a.kv_cache_tokens,
-          "max_num_seqs": a.max_num_seqs, "num_threads": a.threads or available_cores()}
-    return EngineConfig(**{k: v for k, v in kw.items() if v is not None})
-
-
 def _client(a: argparse.Namespace, host: str, port: int) -> BenchClient:
     cls = GrpcClient if a.target == "grpc" else HttpClient
     # None: the client asks the server for its model list and uses the first name
@@ -281,10 +293,22 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--migration-rounds must be at least 1, got {a.migration_rounds}"
     if not 0 <= a.skew <= 1:
         return f"--skew must be in [0, 1], got {a.skew}"
+    if a.workers is None:
+        a.workers = 2 if a.compare_workers else 1
     if a.workers < 1:
         return f"--workers must be >= 1, got {a.workers}"
     if a.compare_migration and (a.target == "engine" or a.compare_engine or a.host or a.port):
         return "--compare-migration runs a self-started grpc or http service on its own"
+    if a.compare_workers and (a.target == "engine" or a.compare_engine or a.compare_migration
+                              or a.host or a.port):
+        return "--compare-workers runs a self-started grpc or http service on its own"
+    if a.compare_workers and a.workers < 2:
+        return f"--compare-workers compares 1 worker with --workers N >= 2, got {a.workers}"
+    if a.compare_workers and a.kv_cache_tokens is not None and a.kv_cache_tokens // a.workers < 16:
+        return (f"--kv-cache-tokens {a.kv_cache_tokens} over {a.workers} workers leaves fewer "
+                "than 16 tokens each")
+    if a.gpus_per_worker is not None and (a.target == "engine" or a.host or a.port):
+        return "--gpus-per-worker is for the self-started service (no --host/--port)"
     if a.target == "engine" and a.compare_engine:
         return "--compare-engine compares a grpc or http target with the engine"
     if a.target == "engine" and (a.host or a.port):
@@ -302,6 +326,11 @@ def check_args(a: argparse.Namespace) -> str | None:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     err = check_args(a)
+    if err is None:
+        import torch
+
+        placed = resolve(a, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        err, a.placement = (placed, None) if isinstance(placed, str) else (None, placed)
     if err:
         print(f"kvserve bench serve: {err}", file=sys.stderr)
         return 2
@@ -362,13 +391,25 @@ def _bench(a: argparse.Namespace) -> int:
         if a.target != "engine" and a.host is None and a.port is None:
             from kvserve.bench.serve_service import start_service
 
-            service = start_service(engine_config(a), a.api_key, a.stream_interval_ms,
-                                    a.workers, pin_sessions=a.skew > 0)
+            workers = 1 if a.compare_workers else a.workers  # resized pass by pass
+            service = start_service(service_engine(a, a.placement), a.api_key,
+                                    a.stream_interval_ms, workers, pin_sessions=a.skew > 0,
+                                    num_gpus_per_worker=a.placement.gpus_per_worker)
             host, port = "127.0.0.1", service.port(a.target)
 
     moved: dict[str, Any] | None = None
+    scaled: dict[str, Any] | None = None
     try:
-        if a.compare_migration:
+        if a.compare_workers:
+            start()
+
+            def requests_for(i: int) -> list[BenchRequest]:
+                return build_requests(a, tok, a.seed + (i + 1) * SEED_STEP, a.num_prompts,
+                                      a.random_output_len)
+
+            scaled = compare_workers(a, service, lambda: _client(a, host, port), requests_for,
+                                     warmups, bench_one, record)
+        elif a.compare_migration:
             start()
             moved = compare_migration(a, lambda: _client(a, host, port), requests, warmups,
                                       bench_one, record)
@@ -376,13 +417,14 @@ def _bench(a: argparse.Namespace) -> int:
             start()
             pause = service.paused if service is not None else contextlib.nullcontext
             outcomes = asyncio.run(bench_interleaved(
-                EngineClient(engine_config(a)), _client(a, host, port), requests, warmups, a, pause))
+                EngineClient(engine_config(a, a.placement)), _client(a, host, port), requests,
+                warmups, a, pause))
             record("engine", *outcomes[0])
             record(a.target, *outcomes[1], whole_stack=service is not None)
         else:
             if a.target == "engine" or a.compare_engine:  # first, on a machine without Ray
                 record("engine", *asyncio.run(
-                    bench_one(EngineClient(engine_config(a)), requests, warmups, a)))
+                    bench_one(EngineClient(engine_config(a, a.placement)), requests, warmups, a)))
             if a.target != "engine":
                 start()
                 outcome = asyncio.run(bench_one(_client(a, host, port), requests, warmups, a))
@@ -394,14 +436,20 @@ def _bench(a: argparse.Namespace) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target": a.target,
         "workload": workload(a, requests),
-        # the in-process engine's settings; also the self-started service's (one worker)
-        "engine": engine_config(a).model_dump(),
+        # the in-process engine's settings; the self-started service's workers differ only
+        # in threads on CPU (cores/N) and KV (1/N with --compare-workers)
+        "engine": engine_config(a, a.placement).model_dump(),
+        "service_worker_engine": service_engine(a, a.placement).model_dump(),
+        "gpus_per_worker": a.placement.gpus_per_worker,
         "stream_interval_ms": a.stream_interval_ms,  # None: the service's automatic pacing
-        "rounds": min(a.rounds, a.num_prompts) if a.compare_engine else 1,
+        "rounds": (min(a.rounds, a.num_prompts) if a.compare_engine
+                   else a.rounds if a.compare_workers else 1),
         "runs": runs,
     }
     if moved is not None:
         report["workers"], report["skew"], report["migration"] = a.workers, a.skew, moved
+    if scaled is not None:
+        report["workers"], report["compare_workers"] = a.workers, scaled
     if a.compare_engine:
         c = compare(runs["engine"]["metrics"], runs[a.target]["metrics"])
         report["comparison"] = c

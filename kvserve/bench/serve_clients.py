@@ -109,6 +109,7 @@ class GrpcClient:
         try:
             async for chunk in self.stub.GenerateStream(msg, metadata=self.metadata):
                 t.tokens(len(chunk.delta_token_ids), chunk.delta_text)
+                t.res.worker = chunk.worker_id or t.res.worker
                 if chunk.finish_reason and chunk.HasField("usage"):
                     u = chunk.usage
                     t.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
@@ -177,6 +178,7 @@ class HttpClient:
                     data = json.loads(line)
                     if "error" in data:
                         return t.done(f"stream error: {data['error']}")
+                    t.res.worker = data.get("kvserve_worker") or t.res.worker
                     for choice in data.get("choices") or []:
                         # a chunk is one or more tokens; usage at the end has the exact count
                         text = choice.get("text") or ""

@@ -37,6 +37,7 @@ class RequestResult:
     start: float = 0.0  # perf_counter when sent
     error: str = ""
     generated_text: str = ""
+    worker: str = ""  # the worker that served it, when the server names one
 
     @property
     def tpot(self) -> float | None:

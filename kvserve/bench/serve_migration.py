@@ -37,9 +37,9 @@ def apply_skew(requests: list[BenchRequest], share: float, seed: int) -> list[Be
     return requests
 
 
-def pass_order(rounds: int) -> list[str]:
+def pass_order(rounds: int, modes: tuple[str, str] = MODES) -> list[str]:
     """Mirrored rounds: on, off, off, on, on, off, ... (two passes per round)."""
-    return [m for r in range(rounds) for m in (MODES if r % 2 == 0 else MODES[::-1])]
+    return [m for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
 
 
 def moved_streams(router: Any) -> int:
@@ -49,11 +49,24 @@ def moved_streams(router: Any) -> int:
     return int(sum(w["stats"].get("migration_streams_in", 0) for w in info["workers"]))
 
 
-def summarize(passes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def one_pass(mode: str, moved: int, results: list[Any], duration: float,
+             output_throughput: float) -> dict[str, Any]:
+    """A timed pass: its configuration, streams moved, results and figures."""
+    ttft = [r.ttft * 1000 for r in results if r.success] or [0.0]
+    return {"mode": mode, "moved": moved, "results": results, "duration": duration,
+            "output_throughput": output_throughput,
+            "workers_used": sorted({r.worker for r in results if r.worker}),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p99_ms": float(np.percentile(ttft, 99))}
+
+
+def summarize(
+    passes: list[dict[str, Any]], modes: tuple[str, str] = MODES
+) -> dict[str, dict[str, float]]:
     """Per configuration: output tok/s over its passes (median, mean) and TTFT p50/p99 over
     all its requests."""
     out: dict[str, dict[str, float]] = {}
-    for mode in MODES:
+    for mode in modes:
         mine = [p for p in passes if p["mode"] == mode]
         if not mine:
             continue
@@ -108,13 +121,8 @@ def compare_migration(
         before = moved_streams(router)
         results, duration, meter = asyncio.run(bench_one(make_client(), requests, [], a))
         m = record(f"{a.target}, pass {i + 1}: {mode}", results, duration, meter)
-        passes.append({"mode": mode, "moved": moved_streams(router) - before,
-                       "results": results, "duration": duration,
-                       "output_throughput": m["output_throughput"],
-                       "ttft_p50_ms": float(np.percentile([r.ttft * 1000 for r in results
-                                                           if r.success] or [0.0], 50)),
-                       "ttft_p99_ms": float(np.percentile([r.ttft * 1000 for r in results
-                                                           if r.success] or [0.0], 99))})
+        passes.append(one_pass(mode, moved_streams(router) - before, results, duration,
+                               m["output_throughput"]))
         print(f"bench serve: pass {i + 1} ({mode}): {passes[-1]['moved']} streams moved",
               flush=True)
     summary = summarize(passes)

@@ -1,8 +1,9 @@
 """The service `kvserve bench serve` starts for itself when it is given no --host.
 
-One worker whose engine has the settings of the bench's in-process engine (threads included),
-on free local ports, in a Ray instance this process starts and stops: the gRPC/HTTP run then
-differs from the engine run only by the serving path.
+Workers whose engine has the settings of the bench's in-process engine (device, dtype and
+threads included; each worker with its GPU share on a CUDA host), on free local ports, in a
+Ray instance this process starts and stops: the gRPC/HTTP run then differs from the engine
+run only by the serving path.
 """
 
 from __future__ import annotations
@@ -23,9 +24,30 @@ def _free_port() -> int:
 
 
 class BenchService:
-    def __init__(self, grpc_port: int, http_port: int, api_key: str | None) -> None:
+    def __init__(
+        self, grpc_port: int, http_port: int, api_key: str | None, config: Any = None
+    ) -> None:
         self.ports = {"grpc": grpc_port, "http": http_port}
         self.api_key = api_key
+        self.config = config  # the deployed ServeConfig
+
+    def resize(self, num_workers: int) -> None:
+        """Serve with `num_workers` workers, as a redeploy that changes only the worker count
+        does, without replacing the ingress: the router drains the workers it loses and
+        starts those it gains; returns once every serving worker has loaded its model."""
+        import ray
+
+        from kvserve.router.router import NAMESPACE
+
+        if num_workers == self.config.num_workers:
+            return
+        t0 = time.perf_counter()
+        router = ray.get_actor(self.config.router_name, namespace=NAMESPACE)
+        ray.get(router.resize.remote(num_workers))
+        ray.get(router.ready.remote())
+        self.config = self.config.model_copy(update={"num_workers": num_workers})
+        print(f"bench serve: service resized to {num_workers} worker(s) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def port(self, target: str) -> int:
         return self.ports[target]
@@ -65,10 +87,11 @@ class BenchService:
 
 def start_service(
     engine: Any, api_key: str | None = None, stream_interval_ms: float | None = None,
-    num_workers: int = 1, pin_sessions: bool = False,
+    num_workers: int = 1, pin_sessions: bool = False, num_gpus_per_worker: float = 0.0,
 ) -> BenchService:
-    """Deploy the app with `num_workers` workers running `engine` (an EngineConfig); wait
-    until ready. `pin_sessions`: a session stays on its worker however loaded (--skew)."""
+    """Deploy the app with `num_workers` workers running `engine` (an EngineConfig), each
+    with `num_gpus_per_worker` of a GPU; wait until ready. `pin_sessions`: a session stays on
+    its worker however loaded (--skew)."""
     import ray
 
     from kvserve.deploy.config import ServeConfig
@@ -81,9 +104,12 @@ def start_service(
                       grpc_port=_free_port(), http_port=_free_port(),
                       api_keys=[api_key] if api_key else [],
                       stream_interval_ms=stream_interval_ms, num_workers=num_workers,
+                      num_gpus_per_worker=num_gpus_per_worker,
                       max_imbalance=1_000_000 if pin_sessions else 4)
-    print(f"bench serve: starting the service ({num_workers} worker(s), {engine.num_threads} threads each) ...",
-          file=sys.stderr, flush=True)
+    each = (f"{num_gpus_per_worker:g} GPU" if num_gpus_per_worker
+            else f"{engine.num_threads} threads")
+    print(f"bench serve: starting the service ({num_workers} worker(s) on {engine.device}, "
+          f"{engine.dtype}, {each} each) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # the workers' logs stay in Ray's log files: the bench prints only its own figures
     try:
@@ -93,4 +119,4 @@ def start_service(
         raise
     print(f"bench serve: service up in {time.perf_counter() - t0:.1f} s "
           f"(gRPC :{cfg.grpc_port}, HTTP :{cfg.http_port})", file=sys.stderr, flush=True)
-    return BenchService(cfg.grpc_port, cfg.http_port, api_key)
+    return BenchService(cfg.grpc_port, cfg.http_port, api_key, cfg)

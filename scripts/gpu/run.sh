@@ -1,23 +1,64 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md ("GPU (H100)") and the CUDA tests, in one run.
-# Run from the repository root on a CUDA host where kvserve is installed:
+# Run from the repository root on a CUDA host where kvserve is installed (or from its checkout):
 #   GPU_SHARED=../shared/gpu bash scripts/gpu/run.sh [tests] [figures] [diag]
 # GPU_SHARED holds make_models.py (random-weight models with SmolLM2's tokenizer) and
 # static_decode_anchor.py (the plain-torch CUDA-graph yardstick). Logs go to $OUT (default
 # ./gpu-logs), one file per group.
+#
+# Serving (steps wheels, servetest, serve, serve2, workers): `kvserve bench serve` side by
+# side with the engine alone on the same GPU, the `kvserve serve` GPU end-to-end test, and
+# two workers sharing the GPU against one. A GPU host without Ray gets it as wheels:
+#   here, once:  bash scripts/gpu/wheels.sh && cp -r ../shared/gpu .gpu   (both git-ignored)
+#   call 1, carry [.whl/call1, .gpu]:  GPU_SHARED=.gpu bash scripts/gpu/run.sh models
+#   call 2 at once (same warm machine), carry [.whl/call2, .gpu]:
+#                GPU_SHARED=.gpu bash scripts/gpu/run.sh wheels servetest serve
+#   then, while it stays warm:  GPU_SHARED=.gpu bash scripts/gpu/run.sh serve2 workers
+# `wheels` joins ray's two parts and installs every wheel with one `pip install --target
+# /tmp/site`; later steps and calls on that machine find /tmp/site and put it on PYTHONPATH.
+# Each of these steps stays under a device call's 10 minutes.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 G=${GPU_SHARED:-../shared/gpu}
 M=${MODELS:-/tmp/models}
+SITE=/tmp/site  # the wheels step's install: Ray and what Serve needs
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 python3 "$G/make_models.py" "$M" smol l1b 2>&1 | grep ready
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 KV="python3 -m kvserve.cli"
+# the serving figures' load: 256 prompts of 256 tokens, 128 out; KV and batch for 256 streams
+SERVE_LOAD="--num-prompts 256 --random-input-len 256 --random-output-len 128 --max-num-seqs 256 --kv-cache-tokens 131072 --no-progress"
 # run GROUP NAME TIMEOUT CMD...: full output appended to $OUT/GROUP.log, summary lines echoed
 run() { local grp=$1 name=$2 t=$3; shift 3; echo "=== $name" | tee -a "$OUT/$grp.log"; local s=$SECONDS
   timeout "$t" "$@" >>"$OUT/$grp.log" 2>&1; echo "rc=$? ${name} $((SECONDS-s))s" | tee -a "$OUT/$grp.log"; }
 for step in ${*:-tests figures diag}; do
 case $step in
+models) ;;  # the models above only
+wheels) W=${WHEELS:-.whl}; ray=$(basename "$(ls "$W"/call1/ray-*.whl.part-00)" .part-00)
+  cat "$W"/call1/"$ray".part-00 "$W"/call2/"$ray".part-01 > "/tmp/$ray"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$W"/call1/*.whl "/tmp/$ray" || exit 1
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -c "import ray, ray.serve, ray.dashboard.optional_deps, grpc, google.protobuf, pydantic, openai; print('wheels: ray', ray.__version__, 'grpc', grpc.__version__, 'protobuf', google.protobuf.__version__)" ;;
+servetest) run servetest servetest 400 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol \
+  python3 -m pytest -q -p no:cacheprovider tests/deploy/test_serve_api.py -k cuda
+  tail -4 "$OUT/servetest.log" ;;
+serve)  # gRPC streaming vs the engine alone at concurrency 64 and 256, 256 prompts 256 -> 128
+  for c in 64 256; do run serve grpc$c 280 $KV bench serve --model $M/l1b --compare-engine --target grpc \
+    --max-concurrency $c $SERVE_LOAD --save-result "$OUT/serve_grpc$c.json"; done
+  grep -E "^=== |^rc=|/ engine|starting the service" "$OUT/serve.log" ;;
+serve2)  # OpenAI HTTP streaming vs the engine at 64; TTFT overhead at concurrency 1
+  run serve2 http64 280 $KV bench serve --model $M/l1b --compare-engine --target http \
+    --max-concurrency 64 $SERVE_LOAD --save-result "$OUT/serve_http64.json"
+  run serve2 ttft1 280 $KV bench serve --model $M/l1b --compare-engine --target grpc \
+    --max-concurrency 1 $SERVE_LOAD --num-prompts 32 --save-result "$OUT/serve_ttft1.json"
+  grep -E "^=== |^rc=|/ engine|starting the service" "$OUT/serve2.log" ;;
+workers)  # two workers sharing the GPU (0.5 each, half the KV each) vs one with half the KV
+  run workers workers2 560 $KV bench serve --model $M/l1b --compare-workers --workers 2 \
+    --gpus-per-worker 0.5 --target grpc --max-concurrency 256 $SERVE_LOAD --rounds 2 \
+    --save-result "$OUT/serve_workers.json"
+  grep -E "^=== |^rc=|^[0-9] +[12] worker|worker.*medians|starting the service|resized" "$OUT/workers.log" ;;
 tests) run tests tests 300 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -p no:cacheprovider \
   tests/workers/test_cuda_path.py tests/workers/test_cuda_graphs.py tests/workers/test_triton_attention.py tests/workers/test_triton_fused.py
   tail -4 "$OUT/tests.log" ;;

@@ -249,6 +249,38 @@ def test_end_to_end_against_the_service(serve_app, target, tmp_path, capsys):
     assert json.loads(out.read_text())["runs"][target]["metrics"]["request_goodput"] > 0
 
 
+def test_compare_workers_resizes_its_own_service_between_passes(tmp_path):
+    """--compare-workers on CPU, tiny: one worker, then two (each with half the KV and half
+    the cores), in a service the bench starts in its own process and Ray (this session's Ray
+    may be up already)."""
+    import subprocess
+    import sys
+
+    from kvserve.hardware import available_cores
+
+    out = tmp_path / "workers.json"
+    r = subprocess.run([
+        sys.executable, "-m", "kvserve.cli", "bench", "serve", "--compare-workers",
+        "--target", "grpc", "--num-prompts", "4", "--random-input-len", "16",
+        "--random-output-len", "4", "--max-concurrency", "4", "--num-warmups", "0",
+        "--kv-cache-tokens", "2048", "--rounds", "1", "--no-progress", "--save-result", str(out),
+    ], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "2 workers / 1 worker output tok/s (medians):" in r.stdout
+    saved = json.loads(out.read_text())
+    worker = saved["service_worker_engine"]
+    assert worker["kv_cache_tokens"] == 1024 and worker["device"] == "cpu"
+    assert worker["num_threads"] == max(1, available_cores() // 2)
+    cw = saved["compare_workers"]
+    assert cw["order"] == ["1 worker", "2 workers"] and cw["output_throughput_ratio"] > 0
+    one, two = cw["passes"]
+    assert one["workers_used"] == ["worker-0"]  # worker 0 serves every pass
+    assert len(two["workers_used"]) == 2 and "worker-0" in two["workers_used"]
+    for run in saved["runs"].values():
+        m = run["metrics"]
+        assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 16)
+
+
 def test_bench_request_is_plain_data():
     r = BenchRequest("hi", [1, 2], 3)
     assert r.prompt_len == 2

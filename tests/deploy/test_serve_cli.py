@@ -117,6 +117,10 @@ def test_gpus_per_worker_reaches_the_worker_actors_and_their_device():
     rc = cfg.router_config()
     assert worker_options(rc.num_cpus_per_worker, rc.num_gpus_per_worker)["num_gpus"] == 0.5
     assert rc.worker_engine(8)["device"] == "cuda"  # the GPU Ray gives the actor
+    f32 = config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "1",
+                                                      "--dtype", "float32"]))
+    engine = f32.router_config().worker_engine(8)
+    assert (engine["device"], engine["dtype"], engine["num_threads"]) == ("cuda", "float32", None)
     cpu = config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "0"]))
     assert cpu.router_config().worker_engine(8)["device"] == "cpu"
     assert worker_options(1, 0)["num_gpus"] == 0
