@@ -158,11 +158,11 @@ def test_a_stopping_ingress_gives_requests_its_grace_period(serve_app, scale_app
     """Its replica replaced by a redeploy, then the app deleted: each time the short stream
     finishes during the shutdown, and the long one ends with UNAVAILABLE once the stopping
     replica's grace period is over."""
-    _deploy(serve_app, 1, grace_s=20)  # a redeploy that keeps the router (same configuration)
-    short, long = 64, 900  # one finishes within the grace period, one cannot
+    _deploy(serve_app, 1, grace_s=10)  # a redeploy that keeps the router (same configuration)
+    short, long = 48, 900  # one finishes within the grace period, one cannot
     want = _reference(smol_llm, 1, short)
-    rounds = (("replaced", 20, lambda: _deploy(serve_app, 1, grace_s=25)),
-              ("deleted", 25, lambda: stop_app(APP, 300)))
+    rounds = (("replaced", 10, lambda: _deploy(serve_app, 1, grace_s=12)),
+              ("deleted", 12, lambda: stop_app(APP, 300)))
     for what, grace, stop in rounds:
         streams = Streams(serve_app.grpc_target, 2, [short, long], what)
         _wait(lambda s=streams: all(s.tokens), f"{what}: the streams never started")

@@ -19,12 +19,12 @@ from kvserve.protos import kvserve_pb2_grpc
 
 WORDS = ("a quiet harbour town wakes as boats return with nets full of silver fish while gulls "
          "circle above the market and old sailors trade stories").split()
-ROUNDS, CLIENTS = 6, 48  # HTTP: 288 resets; gRPC: as many cancelled calls
+ROUNDS, CLIENTS = 3, 48  # HTTP: 144 resets; gRPC: as many cancelled calls
 SETTLE_S = 12.0  # well under the router's 60 s grace: only a real release empties the count
 
 
 def _prompt(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200)))
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120)))
 
 
 async def _reset_client(app, rng: random.Random) -> None:
