@@ -42,7 +42,7 @@ wheels) W=${WHEELS:-.whl}; ray=$(basename "$(ls "$W"/call1/ray-*.whl.part-00)" .
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import ray, ray.serve, ray.dashboard.optional_deps, grpc, google.protobuf, pydantic, openai; print('wheels: ray', ray.__version__, 'grpc', grpc.__version__, 'protobuf', google.protobuf.__version__)" ;;
 servetest) run servetest servetest 400 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol \
-  python3 -m pytest -q -p no:cacheprovider tests/deploy/test_serve_api.py -k cuda
+  python3 -m pytest -q -p no:cacheprovider tests/deploy/test_serve_gpu.py
   tail -4 "$OUT/servetest.log" ;;
 serve)  # gRPC streaming vs the engine alone at concurrency 64 and 256, 256 prompts 256 -> 128
   for c in 64 256; do run serve grpc$c 280 $KV bench serve --model $M/l1b --compare-engine --target grpc \

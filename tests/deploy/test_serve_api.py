@@ -1,33 +1,18 @@
 """End to end through Ray Serve: generated gRPC stubs, the openai SDK, reflection (real model).
 
-The greedy-text tests run per device: `cpu` on the session's app (two CPU workers), `cuda`
-(skipped with "needs a CUDA GPU" where torch sees none) on an app that `kvserve serve`'s
-arguments configure with one GPU worker in float32, against the offline engine on the same
-GPU. The cuda case takes `KVSERVE_CUDA_TEST_MODEL` (an HF directory with its tokenizer) when
-set, else the default model, and needs this process's Ray to itself: run it alone
-(`pytest tests/deploy/test_serve_api.py -k cuda`)."""
+The greedy-text checks (`served_checks.py`) run here on the session's CPU app and in
+`test_serve_gpu.py` on a GPU worker."""
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import openai
 import pytest
-import torch
-from serve_fixtures import API_KEY, ServeApp, free_port
+from served_checks import MAX_TOKENS, PROMPT, check_grpc_greedy, check_http_greedy, offline_texts
 
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
 from kvserve.sampling import SamplingParams
-
-PROMPT = "The three primary colors are"
-MAX_TOKENS = 12
-CUDA_ENGINE = ["--kv-cache-tokens", "4096", "--max-model-len", "1024"]
 
 
 @pytest.fixture(scope="module")
@@ -36,95 +21,17 @@ def stub(serve_app):
         yield kvserve_pb2_grpc.KVServeStub(ch)
 
 
-def _offline_texts(llm: Any) -> dict[str, str]:
-    p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    return {
-        "text": llm.generate([PROMPT], p)[0].text,
-        "chat": llm.chat([{"role": "user", "content": "Name a fruit."}], p)[0].text,
-    }
-
-
 @pytest.fixture(scope="module")
 def offline(smol_llm):
-    return _offline_texts(smol_llm)
-
-
-@dataclass
-class Served:
-    """A served app, its gRPC stub and the offline engine's greedy texts on its device."""
-
-    device: str
-    app: ServeApp
-    stub: Any
-    offline: dict[str, str]
-
-
-@contextmanager
-def _cuda_app() -> Iterator[tuple[ServeApp, Any]]:
-    """`kvserve serve --gpus-per-worker 1 --dtype float32` (its arguments, its deploy), and
-    the offline engine in float32 on the same GPU."""
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("this process's Ray already serves the session's CPU app; run the cuda "
-                    "case alone: -k cuda")
-    from kvserve import LLM
-    from kvserve.cli import build_parser
-    from kvserve.deploy.serve_cli import config_from_args, deploy, shutdown
-    from kvserve.models import default_model
-    from kvserve.router.router import NAMESPACE, ROUTER_NAME
-
-    model = os.environ.get("KVSERVE_CUDA_TEST_MODEL") or default_model()
-    cfg = config_from_args(build_parser().parse_args([
-        "serve", "--model", model, "--gpus-per-worker", "1", "--dtype", "float32", *CUDA_ENGINE,
-        "--grpc-port", str(free_port()), "--http-port", str(free_port()), "--api-key", API_KEY]))
-    deploy(cfg, ray_init={"include_dashboard": False, "log_to_driver": False},
-           start_timeout_s=900)
-    try:
-        app = ServeApp(cfg.grpc_port, cfg.http_port, API_KEY,
-                       ray.get_actor(ROUTER_NAME, namespace=NAMESPACE), cfg,
-                       metadata=(("authorization", f"Bearer {API_KEY}"),))
-        yield app, LLM(model, device="cuda", dtype="float32", kv_cache_tokens=4096,
-                       max_model_len=1024)
-    finally:
-        shutdown(cfg)
-
-
-@pytest.fixture(scope="module", params=[
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                         reason="needs a CUDA GPU"))])
-def served(request) -> Iterator[Served]:
-    if request.param == "cpu":
-        app = request.getfixturevalue("serve_app")
-        with grpc.insecure_channel(app.grpc_target) as ch:
-            yield Served("cpu", app, kvserve_pb2_grpc.KVServeStub(ch),
-                         request.getfixturevalue("offline"))
-        return
-    with _cuda_app() as (app, llm), grpc.insecure_channel(app.grpc_target) as ch:
-        yield Served("cuda", app, kvserve_pb2_grpc.KVServeStub(ch), _offline_texts(llm))
+    return offline_texts(smol_llm)
 
 
 def _greedy(n: int = MAX_TOKENS) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0, max_tokens=n)
 
 
-def test_grpc_unary_and_stream_match_offline(served):
-    serve_app, stub, offline = served.app, served.stub, served.offline
-    md = serve_app.metadata
-    # the worker runs on the device the case names (a GPU worker on cuda, not the CPU)
-    assert serve_app.server_info()["model_info"]["device"] == served.device
-    r = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()), metadata=md)
-    assert r.text == offline["text"]
-    assert r.finish_reason in ("length", "stop") and r.worker_id.startswith("worker-")
-    assert r.usage.completion_tokens == len(r.token_ids) > 0
-    assert r.usage.prompt_tokens > 0 and r.model
-
-    chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()),
-                                      metadata=md))
-    assert "".join(c.delta_text for c in chunks) == offline["text"]
-    assert [t for c in chunks for t in c.delta_token_ids] == list(r.token_ids)
-    assert all(not c.finish_reason for c in chunks[:-1]) and chunks[-1].finish_reason
-    assert chunks[-1].usage.completion_tokens == len(r.token_ids)
+def test_grpc_unary_and_stream_match_offline(serve_app, stub, offline):
+    check_grpc_greedy(serve_app, stub, offline, "cpu")
 
 
 def test_grpc_chat_matches_offline(serve_app, stub, offline):
@@ -158,28 +65,8 @@ def test_grpc_reflection_lists_the_service(serve_app):
     assert "kvserve.v1.KVServe" in names
 
 
-def test_http_openai_sdk_stream_matches_offline(served):
-    serve_app, offline = served.app, served.offline
-    client = openai.OpenAI(base_url=serve_app.http_url + "/v1", api_key=serve_app.api_key,
-                           max_retries=0, timeout=60)
-    model = client.models.list().data[0].id
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                       temperature=0, stream=True)
-    parts = [c.choices[0].text for c in stream if c.choices]
-    assert "".join(parts) == offline["text"] and len(parts) > 1
-
-    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == offline["text"] and r.usage.completion_tokens > 0
-
-    chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Name a fruit."}],
-        max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(chat)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == offline["chat"]
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+def test_http_openai_sdk_stream_matches_offline(serve_app, offline):
+    check_http_greedy(serve_app, offline)
 
 
 def test_http_health(serve_app):
