@@ -21,29 +21,31 @@ def offline_texts(llm: Any) -> dict[str, str]:
     return {"text": llm.generate([PROMPT], p)[0].text, "chat": llm.chat(CHAT, p)[0].text}
 
 
-def _greedy(n: int = MAX_TOKENS) -> pb.SamplingParams:
+def greedy(n: int = MAX_TOKENS) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0, max_tokens=n)
 
 
 def check_grpc_greedy(app: Any, stub: Any, offline: dict[str, str], device: str) -> None:
-    """Unary and streamed Generate give the offline text, from a worker on `device`."""
+    """Unary and streamed Generate and Chat give the offline texts, from a worker on
+    `device`."""
     md = app.metadata
     assert app.server_info()["model_info"]["device"] == device
-    r = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()), metadata=md)
+    r = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=greedy()), metadata=md)
     assert r.text == offline["text"]
     assert r.finish_reason in ("length", "stop") and r.worker_id.startswith("worker-")
     assert r.usage.completion_tokens == len(r.token_ids) > 0
     assert r.usage.prompt_tokens > 0 and r.model
 
-    chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()),
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, sampling=greedy()),
                                       metadata=md))
     assert "".join(c.delta_text for c in chunks) == offline["text"]
     assert [t for c in chunks for t in c.delta_token_ids] == list(r.token_ids)
     assert all(not c.finish_reason for c in chunks[:-1]) and chunks[-1].finish_reason
     assert chunks[-1].usage.completion_tokens == len(r.token_ids)
 
-    req = pb.ChatRequest(messages=[pb.ChatMessage(**CHAT[0])], sampling=_greedy())
+    req = pb.ChatRequest(messages=[pb.ChatMessage(**CHAT[0])], sampling=greedy())
     assert stub.Chat(req, metadata=md).text == offline["chat"]
+    assert "".join(c.delta_text for c in stub.ChatStream(req, metadata=md)) == offline["chat"]
 
 
 def check_http_greedy(app: Any, offline: dict[str, str]) -> None:

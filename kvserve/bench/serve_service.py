@@ -37,17 +37,23 @@ class BenchService:
         starts those it gains; returns once every serving worker has loaded its model."""
         import ray
 
-        from kvserve.router.router import NAMESPACE
-
         if num_workers == self.config.num_workers:
             return
         t0 = time.perf_counter()
-        router = ray.get_actor(self.config.router_name, namespace=NAMESPACE)
+        router = self.router()
         ray.get(router.resize.remote(num_workers))
         ray.get(router.ready.remote())
         self.config = self.config.model_copy(update={"num_workers": num_workers})
         print(f"bench serve: service resized to {num_workers} worker(s) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def router(self) -> Any:
+        """The service's router actor (the same one across resizes)."""
+        import ray
+
+        from kvserve.router.router import NAMESPACE
+
+        return ray.get_actor(self.config.router_name, namespace=NAMESPACE)
 
     def port(self, target: str) -> int:
         return self.ports[target]

@@ -3,9 +3,8 @@ settings, in mirrored passes against one self-started service.
 
 Every worker of both configurations is the same engine: 1/N of --kv-cache-tokens, the same
 GPU share (--gpus-per-worker, e.g. 0.5 for two workers on one GPU) or, on CPU, cores/N
-threads. Between passes the service is redeployed with the other worker count; the router
-resizes in place (the workers it gains load the model, those it loses are drained), so worker
-0 serves every pass. Each pass sends its own prompts (same lengths, another seed): a pass
+threads. Between passes the service's router is resized in place (the workers it gains load
+the model, those it loses are drained), so worker 0 serves every pass. Each pass sends its own prompts (same lengths, another seed): a pass
 that repeated earlier prompts would find their prefixes cached on worker 0 and skip their
 prefill. The passes alternate in mirrored rounds (1, N, N, 1, ...), as --compare-migration's.
 """
@@ -40,15 +39,11 @@ def compare_workers(
 ) -> dict[str, Any]:
     """`a.rounds` mirrored rounds of a one-worker and an N-worker pass; records each pass and
     returns the passes (without per-request results), the summary and the throughput ratio."""
-    import ray
-
-    from kvserve.router.router import NAMESPACE, ROUTER_NAME
-
     one, many = modes(a.workers)
+    router = service.router()
     passes: list[dict[str, Any]] = []
     for i, mode in enumerate(pass_order(a.rounds, (one, many))):
         service.resize(1 if mode == one else a.workers)
-        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
         before = moved_streams(router)
         results, duration, meter = asyncio.run(
             bench_one(make_client(), requests_for(i), warmups, a))

@@ -8,7 +8,14 @@ from __future__ import annotations
 import grpc
 import openai
 import pytest
-from served_checks import MAX_TOKENS, PROMPT, check_grpc_greedy, check_http_greedy, offline_texts
+from served_checks import (
+    MAX_TOKENS,
+    PROMPT,
+    check_grpc_greedy,
+    check_http_greedy,
+    greedy,
+    offline_texts,
+)
 
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
@@ -26,20 +33,8 @@ def offline(smol_llm):
     return offline_texts(smol_llm)
 
 
-def _greedy(n: int = MAX_TOKENS) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=0, max_tokens=n)
-
-
-def test_grpc_unary_and_stream_match_offline(serve_app, stub, offline):
+def test_grpc_generate_and_chat_match_offline(serve_app, stub, offline):
     check_grpc_greedy(serve_app, stub, offline, "cpu")
-
-
-def test_grpc_chat_matches_offline(serve_app, stub, offline):
-    req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Name a fruit.")],
-                         sampling=_greedy())
-    assert stub.Chat(req, metadata=serve_app.metadata).text == offline["chat"]
-    text = "".join(c.delta_text for c in stub.ChatStream(req, metadata=serve_app.metadata))
-    assert text == offline["chat"]
 
 
 def test_grpc_info_methods(serve_app, stub):
@@ -94,7 +89,7 @@ def test_grpc_logprobs_match_the_offline_engine(serve_app, stub, smol_llm):
                                       metadata=serve_app.metadata))
     assert [x.logprob for c in chunks for x in c.logprobs] == pytest.approx(
         [x.logprob for x in r.logprobs], abs=1e-5)
-    plain = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy(4)),
+    plain = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=greedy(4)),
                           metadata=serve_app.metadata)
     assert len(plain.logprobs) == 0
 
