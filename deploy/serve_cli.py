@@ -95,14 +95,19 @@ def _until_ready(step: Callable[[], Any], what: str, deadline: float) -> None:
     """Run a Serve start-up step, trying again while it times out and time is left.
 
     Both steps are idempotent: a second serve.start connects to the controller the first one
-    made, and a second serve.run of an unchanged app only waits for it again."""
+    made, and a second serve.run of an unchanged app only waits for it again. On a machine
+    too loaded for a proxy to answer its first health checks, the controller kills the proxy
+    and serve.start fails with the actor's death; the controller starts a new one, so that
+    counts as a timeout too."""
+    from ray.exceptions import RayActorError
+
     tries = 0
     while True:
         tries += 1
         try:
             step()
             return
-        except TimeoutError as e:
+        except (TimeoutError, RayActorError) as e:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(

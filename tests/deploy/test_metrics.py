@@ -5,7 +5,8 @@ compare a settled scrape before this module's requests with one after them, seri
 series. The requests: a burst that overflows the workers' device KV (evictions to the host
 tier and restores), a session, a repeated prompt, bad and unauthenticated requests on both
 front ends, a request shed for overload, two streams and one more cancelled by the client,
-and a request that fails on its worker (its request id is in use there).
+and a request that fails on its worker (its request id is in use there). A cancel that Serve's
+gRPC proxy drops (ServeApp.cancels_serve_dropped) is counted as the `length` it becomes.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ EXPORTED = sorted(
 # The burst: 5 requests per worker whose prompts (42 blocks of 16) fit the 256-block device
 # pool together but whose answers (55 blocks each) do not: the engines evict and restore.
 BURST, BURST_PROMPT, BURST_TOKENS = 10, 672, 200
+# The streams the client cancels: long enough that one whose cancel Serve drops (see
+# ServeApp.cancels_serve_dropped) is still running when the test looks.
+CANCELLED_TOKENS = 900
 
 Series = dict[tuple[str, frozenset], float]
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
@@ -107,6 +111,7 @@ class Run:
     usages: list[tuple[int, int, int]] = field(default_factory=list)  # finished requests
     aborted: list[tuple[int, int, int]] = field(default_factory=list)  # as last seen
     aborted_max_tokens: int = 0
+    dropped_cancels: int = 0  # cancelled streams that ran to their end (Serve lost the cancel)
     expect: dict[str, int] = field(default_factory=dict)  # what each count must grow by
 
     def total(self, name: str, **labels: str) -> float:
@@ -186,8 +191,9 @@ def _drive(app, stub, run: Run) -> dict[str, int]:
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert _http(app, "/v1/completions", {"prompt": "hi"}, None)[0] == 401
 
-    long = pb.GenerateRequest(prompt="Count from one to one thousand:", sampling=_sampling(400))
-    run.aborted_max_tokens = 3 * 400
+    long = pb.GenerateRequest(prompt="Count from one to one thousand:",
+                              sampling=_sampling(CANCELLED_TOKENS))
+    run.aborted_max_tokens = 3 * CANCELLED_TOKENS
 
     def cancel(calls: list) -> None:
         for c in calls:
@@ -205,7 +211,8 @@ def _drive(app, stub, run: Run) -> dict[str, int]:
         ray.get(app.router.set_max_inflight_per_worker.remote(old))
 
     # a request id already running on the worker: the worker answers with an error
-    dup = pb.GenerateRequest(prompt="Count from one to one thousand:", sampling=_sampling(400),
+    dup = pb.GenerateRequest(prompt="Count from one to one thousand:",
+                             sampling=_sampling(CANCELLED_TOKENS),
                              request_id="metrics-dup", session_id="metrics-dup")
     first = _Stream(stub, dup, _md(app))
     clash = pb.GenerateRequest(prompt="hi", sampling=_sampling(4), request_id="metrics-dup",
@@ -214,9 +221,11 @@ def _drive(app, stub, run: Run) -> dict[str, int]:
         stub.Generate(clash, metadata=_md(app), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "in use" in e.value.details()
     cancel([first])
+    # a cancel Serve dropped: that request ends as `length` on its worker
+    lost = run.dropped_cancels = app.cancels_serve_dropped()
 
     received = BURST + 3 + 3 + 1  # burst, repeat + session, cancelled streams, clash
-    return {"length": BURST + 3, "abort": 3, "error": 1, "received": received,
+    return {"length": BURST + 3 + lost, "abort": 3 - lost, "error": 1, "received": received,
             "picks": received,  # each request that reached a worker was routed once
             "invalid": 3, "auth": 2, "overload": 1}
 
@@ -250,7 +259,7 @@ def run(serve_app) -> Run:
                 and not any(r.now(f"{P}requests_running"))
                 and not any(r.now(f"{P}kv_device_blocks_used")))
 
-    r.after = settled(port, until=done)
+    r.after = settled(port, until=done, timeout=300)  # a dropped cancel runs to its end
     r.names = {n for n, _ in scrape(port)}
     return r
 
@@ -274,6 +283,7 @@ def test_every_metric_is_exported_with_its_tags(run):
 
 def test_request_counts_match_what_was_sent(run):
     e = run.expect
+    assert run.dropped_cancels < 3  # at least one cancel reached its worker
     assert run.total(f"{P}requests_received_total") == e["received"]
     for reason in ("stop", "length", "abort", "error"):
         assert run.total(f"{P}requests_finished_total", reason=reason) == e.get(reason, 0), reason

@@ -99,6 +99,16 @@ def test_start_up_waits_through_timeouts_and_says_what_it_waited_for():
     _until_ready(slow_twice, "the proxies", time.monotonic() + 60)
     assert len(calls) == 3
 
+    from ray.exceptions import ActorDiedError
+
+    def proxy_killed_once():  # the controller killed a proxy too slow to answer its checks
+        calls.append(1)
+        if len(calls) < 5:
+            raise ActorDiedError()
+
+    _until_ready(proxy_killed_once, "the proxies", time.monotonic() + 60)
+    assert len(calls) == 5
+
     def never():
         raise TimeoutError("Proxies not available after 60s.")
 

@@ -53,13 +53,18 @@ def _worker(serve_app, worker_id: str):
 def test_grpc_cancel_mid_stream_frees_kv(serve_app):
     with grpc.insecure_channel(serve_app.grpc_target) as ch:
         stub = kvserve_pb2_grpc.KVServeStub(ch)
-        call = stub.GenerateStream(_long(), metadata=serve_app.metadata)
-        first = [next(call) for _ in range(3)]
-        worker = _worker(serve_app, first[0].worker_id)
-        busy = ray.get(worker.stats.remote())
-        assert busy["kv_blocks_used"] > 0, busy
-        call.cancel()
-        _wait_idle(worker)
+        for _attempt in range(3):
+            call = stub.GenerateStream(_long(), metadata=serve_app.metadata)
+            first = [next(call) for _ in range(3)]
+            worker = _worker(serve_app, first[0].worker_id)
+            busy = ray.get(worker.stats.remote())
+            assert busy["kv_blocks_used"] > 0, busy
+            call.cancel()
+            if not serve_app.cancels_serve_dropped():
+                _wait_idle(worker)
+                return
+            _wait_idle(worker, timeout=300)  # Serve never passed the cancel on: let it end
+    raise AssertionError("Serve's proxy dropped the cancel three times in a row")
 
 
 @pytest.mark.parametrize("n", [1, 2], ids=["one choice", "two choices"])
@@ -112,6 +117,8 @@ def test_killed_worker_is_survived_and_replaced(serve_app):
 
     # the worker comes back (a fresh actor) and the router notices
     serve_app.wait_all_alive(timeout=120)
+    if serve_app.cancels_serve_dropped():  # the survivor's stream runs on: let it end
+        _wait_idle(_worker(serve_app, "worker-1"), timeout=300)
     info = {w["worker_id"]: w for w in serve_app.server_info()["workers"]}
     assert info[victim_id]["restarts"] == restarts_before[victim_id] + 1
     assert ray.get(_worker(serve_app, victim_id).stats.remote())["running"] == 0
@@ -157,8 +164,9 @@ def test_overload_is_shed_with_resource_exhausted(serve_app):
                 c.cancel()
     finally:
         ray.get(router.set_max_inflight_per_worker.remote(old))
+    dropped = serve_app.cancels_serve_dropped()  # then that stream runs to its end
     for w in serve_app.workers():
-        _wait_idle(w)
+        _wait_idle(w, timeout=300 if dropped else 30)
 
 
 def test_workers_export_engine_stats_as_metrics(serve_app):

@@ -82,19 +82,6 @@ def _inflight(app) -> list[int]:
     return [w["inflight"] for w in app.server_info()["workers"]]
 
 
-def _ingress_slots(app) -> int | str:
-    """Slots the ingress still holds (a Slot never released), to tell where one was lost."""
-    import urllib.request
-
-    req = urllib.request.Request(app.http_url + "/v1/server_info",
-                                 headers={"authorization": f"Bearer {app.api_key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read()).get("ingress", {}).get("slots", "?")
-    except OSError as e:
-        return f"unknown ({e})"
-
-
 def _assert_released(app) -> None:
     """Workers idle, then the router's count at 0 within SETTLE_S."""
     import ray
@@ -108,7 +95,7 @@ def _assert_released(app) -> None:
     while (counts := _inflight(app)) != [0] * len(counts):
         assert time.monotonic() < deadline, (
             f"router still counts {counts} requests in flight {SETTLE_S:.0f} s after the "
-            f"workers went idle: releases were lost (the ingress holds {_ingress_slots(app)} "
+            f"workers went idle: releases were lost (the ingress holds {app.ingress_slots()} "
             "live slots)")
         time.sleep(0.3)
 

@@ -97,7 +97,8 @@ def test_streams_cancelled_mid_batch_take_nothing_from_the_others(serve_app, smo
         got = [list(first.delta_token_ids) + [t for r in c for t in r.delta_token_ids]
                for first, c in zip(kept_firsts, kept, strict=True)]
     assert got == want
-    _wait_idle(serve_app)  # the cancelled requests were aborted and their KV freed
+    dropped = serve_app.cancels_serve_dropped()  # those streams run to their end
+    _wait_idle(serve_app, timeout=300 if dropped else 60)  # the cancelled ones' KV freed
 
 
 def test_a_slow_consumer_stalls_no_other_stream(serve_app):
