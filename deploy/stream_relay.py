@@ -41,8 +41,8 @@ class StreamRelay:
         """Chunks of the request started on the current worker, then of each worker the
         stream moves to; the move markers themselves are not passed on."""
         rid, slot_id, worker = self.request_id, self.slot_id, self.worker
-        start: Start = lambda sub_id: worker.start.remote(  # noqa: E731
-            sub_id, rid, prompt_ids, params, slot_id)
+        start: Start = lambda sub_id, key: worker.start.remote(  # noqa: E731
+            sub_id, rid, prompt_ids, params, slot_id, key)
         while True:
             moved_to: int | None = None
             async for chunk in self.demux.stream(self.idx, self.worker, rid, start):
@@ -63,4 +63,4 @@ class StreamRelay:
 
     def _resume(self, worker: Any) -> Start:
         rid, slot_id = self.request_id, self.slot_id
-        return lambda sub_id: worker.start_resume.remote(sub_id, rid, slot_id)
+        return lambda sub_id, key: worker.start_resume.remote(sub_id, rid, slot_id, key)

@@ -2,8 +2,11 @@
 
 `TokenDemux.stream` starts a request on a worker and yields its chunks. Chunks do not come
 from a Ray stream of their own: each worker this replica uses has one long-lived
-`subscribe` stream (`WorkerFeed`), whose batches {request_id: [chunks]} a reader task
-sorts into the requests' inboxes (token_inbox.py). When the worker dies, the reader fails
+`subscribe` stream (`WorkerFeed`), whose batches {stream key: [chunks]} a reader task
+sorts into the requests' inboxes (token_inbox.py). The key names one attempt of one request
+on one worker, not the request id: a client may send a request id that is still running
+(the worker refuses the second with "in use"), and the refusal must reach the second
+request while the first keeps its own chunks. When the worker dies, the reader fails
 exactly the inboxes of that worker's requests with Ray's error, so the service retries
 them or answers UNAVAILABLE as before; the next request subscribes to the restarted worker.
 The subscription runs outside any request's Ray task (`outside_request`): a client that
@@ -13,6 +16,7 @@ cancels its request must not cancel the stream every other request shares.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,9 +24,10 @@ from typing import Any
 from kvserve.deploy.slots import outside_request
 from kvserve.deploy.token_inbox import Inbox
 
-# starts a request on a worker, its chunks to go out on subscription `sub_id`; returns False
-# when the worker does not know that subscription (it restarted)
-Start = Callable[[str], Awaitable[bool]]
+# starts a request on a worker, its chunks to go out on subscription `sub_id` under the
+# stream key `key`; returns False when the worker does not know that subscription (it
+# restarted)
+Start = Callable[[str, str], Awaitable[bool]]
 
 
 class WorkerFeed:
@@ -32,7 +37,7 @@ class WorkerFeed:
         self.worker = worker
         self.idx = idx
         self.sub_id = f"sub-{uuid.uuid4().hex}"
-        self.inboxes: dict[str, Inbox] = {}
+        self.inboxes: dict[str, Inbox] = {}  # by stream key
         self.dead = False
         self.batches = 0
         self.loop = loop = asyncio.get_running_loop()
@@ -48,8 +53,8 @@ class WorkerFeed:
             async for ref in gen:
                 batch = (await ref)["batch"]
                 self.batches += 1
-                for rid, chunks in batch.items():
-                    box = self.inboxes.get(rid)
+                for key, chunks in batch.items():
+                    box = self.inboxes.get(key)
                     if box is not None:  # else its consumer is gone: dropped
                         for chunk in chunks:
                             box.put(chunk)
@@ -69,6 +74,7 @@ class WorkerFeed:
 class TokenDemux:
     def __init__(self) -> None:
         self.feeds: dict[int, WorkerFeed] = {}
+        self._keys = itertools.count()
 
     def forget(self) -> None:
         """The router has new workers: later requests subscribe to them."""
@@ -83,18 +89,19 @@ class TokenDemux:
         """Start a request with `start` on worker `idx` and yield its chunks there, up to
         its last one (a finish, an error or a `moved_to`). Raises Ray's error when the
         worker dies."""
+        key = f"{request_id}#{next(self._keys)}"
         for _ in range(2):
             feed = self._feed(idx, worker)
             await asyncio.shield(feed.ready)
-            box = feed.inboxes[request_id] = Inbox()
+            box = feed.inboxes[key] = Inbox()
             try:
-                started = await start(feed.sub_id)
+                started = await start(feed.sub_id, key)
             except BaseException:
-                feed.inboxes.pop(request_id, None)
+                feed.inboxes.pop(key, None)
                 raise
             if started and not feed.dead:
                 break
-            feed.inboxes.pop(request_id, None)
+            feed.inboxes.pop(key, None)
             if self.feeds.get(idx) is feed:  # the worker restarted: subscribe to the new one
                 del self.feeds[idx]
         else:
@@ -103,8 +110,8 @@ class TokenDemux:
             async for chunk in box.chunks():
                 yield chunk
         finally:
-            if feed.inboxes.get(request_id) is box:
-                del feed.inboxes[request_id]
+            if feed.inboxes.get(key) is box:
+                del feed.inboxes[key]
 
     def _feed(self, idx: int, worker: Any) -> WorkerFeed:
         feed = self.feeds.get(idx)

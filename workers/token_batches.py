@@ -4,7 +4,7 @@ An ingress replica opens one long-lived `subscribe(sub_id)` streaming generator 
 worker it uses, then starts requests on it with small `start` / `start_resume` calls. Each
 request's chunks are produced exactly as on the per-request path (`WorkerActor._chunks`:
 pacing, coalescing, errors, `moved_to`) by a driver task that drops them into the
-subscription's outbox; the subscription yields the whole outbox, {request_id: [chunks]},
+subscription's outbox; the subscription yields the whole outbox, {stream key: [chunks]},
 as ONE Ray item: at most one per engine step (or pacing interval) per ingress replica,
 whatever the number of streams. At 256 streams and a 3 ms GPU step the per-request path
 needed about 85,000 Ray items a second; this one needs about 330.
@@ -47,7 +47,7 @@ class Subscription:
         self.outbox: dict[str, list[dict[str, Any]]] = {}
         self.shipped: asyncio.Future = asyncio.get_running_loop().create_future()
         self.ready = asyncio.Event()
-        self.drivers: dict[str, asyncio.Task] = {}
+        self.drivers: dict[str, asyncio.Task] = {}  # by stream key
         self.closed = False
         self.puts = 0
 
@@ -63,9 +63,10 @@ class Subscription:
             elif (quiet := quiet + 1) >= 2:
                 return
 
-    def put(self, request_id: str, chunk: dict[str, Any]) -> asyncio.Future:
-        """Queue a chunk for the next batch; the future resolves once that batch is out."""
-        self.outbox.setdefault(request_id, []).append(chunk)
+    def put(self, key: str, chunk: dict[str, Any]) -> asyncio.Future:
+        """Queue a stream's chunk for the next batch; the future resolves once that batch is
+        out."""
+        self.outbox.setdefault(key, []).append(chunk)
         self.puts += 1
         self.ready.set()
         return self.shipped
@@ -93,7 +94,7 @@ class TokenBatches:
 
     @ray.method(_generator_backpressure_num_objects=SUBSCRIPTION_BACKPRESSURE)
     async def subscribe(self, sub_id: str) -> AsyncIterator[dict[str, Any]]:
-        """Yield {"subscribed": incarnation} once, then batches {request_id: [chunks]}."""
+        """Yield {"subscribed": incarnation} once, then batches {stream key: [chunks]}."""
         sub = Subscription(sub_id)
         self._subs[sub_id] = sub
         try:
@@ -113,48 +114,51 @@ class TokenBatches:
 
     async def start(
         self, sub_id: str, request_id: str, prompt: list[int] | str, params: dict[str, Any],
-        slot_id: str | None = None,
+        slot_id: str | None = None, key: str | None = None,
     ) -> bool:
-        """Start a request whose chunks go out on subscription `sub_id`. False when this
-        worker has no such subscription (it restarted since): the ingress subscribes anew."""
-        return self._drive(sub_id, request_id,
+        """Start a request whose chunks go out on subscription `sub_id` under `key` (the
+        ingress's name for this attempt; the request id by default). False when this worker
+        has no such subscription (it restarted since): the ingress subscribes anew."""
+        return self._drive(sub_id, key or request_id,
                            self.generate(request_id, prompt, params, slot_id))  # type: ignore[attr-defined]
 
-    async def start_resume(self, sub_id: str, request_id: str, slot_id: str | None = None) -> bool:
+    async def start_resume(
+        self, sub_id: str, request_id: str, slot_id: str | None = None, key: str | None = None,
+    ) -> bool:
         """Stream a request imported here (a moved stream) on subscription `sub_id`."""
-        return self._drive(sub_id, request_id,
+        return self._drive(sub_id, key or request_id,
                            self.resume(request_id, slot_id))  # type: ignore[attr-defined]
 
     def subscriptions(self) -> dict[str, int]:
         """Open subscriptions and how many requests each is streaming (tests, drills)."""
         return {k: len(s.drivers) for k, s in self._subs.items()}
 
-    def _drive(self, sub_id: str, request_id: str, chunks: AsyncIterator[dict[str, Any]]) -> bool:
+    def _drive(self, sub_id: str, key: str, chunks: AsyncIterator[dict[str, Any]]) -> bool:
         sub = self._subs.get(sub_id)
         if sub is None or sub.closed:
             asyncio.get_running_loop().create_task(chunks.aclose())  # type: ignore[attr-defined]
             return False
-        sub.drivers[request_id] = asyncio.get_running_loop().create_task(
-            self._ship(sub, request_id, chunks))
+        sub.drivers[key] = asyncio.get_running_loop().create_task(
+            self._ship(sub, key, chunks))
         return True
 
     async def _ship(
-        self, sub: Subscription, request_id: str, chunks: AsyncIterator[dict[str, Any]]
+        self, sub: Subscription, key: str, chunks: AsyncIterator[dict[str, Any]]
     ) -> None:
         last: dict[str, Any] = {}
         try:
             async for last in chunks:
                 # the per-request backpressure; shielded: a cancelled driver must not cancel
                 # the future every other stream of the batch waits on
-                await asyncio.shield(sub.put(request_id, last))
+                await asyncio.shield(sub.put(key, last))
             if not is_last(last):  # aborted here, or ended without a word: say so
-                sub.put(request_id, {"end": True})
+                sub.put(key, {"end": True})
         except asyncio.CancelledError:
             pass  # the subscription closed: `aclose` below aborts the request
         except Exception as e:
-            log.exception("streaming request %s failed", request_id)
-            sub.put(request_id, {"error": "internal", "message": str(e)})
+            log.exception("streaming request %s failed", key)
+            sub.put(key, {"error": "internal", "message": str(e)})
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
-            if sub.drivers.get(request_id) is asyncio.current_task():
-                del sub.drivers[request_id]
+            if sub.drivers.get(key) is asyncio.current_task():
+                del sub.drivers[key]

@@ -40,6 +40,13 @@ class FakeWorker:
     def __init__(self) -> None:
         self.streams: dict[str, FakeStream] = {}
         self.subscribe = Remote(self._subscribe)
+        self.keys: dict[str, str] = {}  # request id -> the stream key it was started under
+
+    def starter(self, request_id: str) -> Any:
+        async def start(sub_id: str, key: str) -> bool:
+            self.keys[request_id] = key
+            return True
+        return start
 
     def _subscribe(self, sub_id: str) -> FakeStream:
         s = self.streams[sub_id] = FakeStream()
@@ -47,6 +54,8 @@ class FakeWorker:
         return s
 
     def send(self, batch: dict[str, list[dict]]) -> None:
+        """A batch by request id (one never started keeps its name: nobody reads it)."""
+        batch = {self.keys.get(rid, rid): chunks for rid, chunks in batch.items()}
         for s in self.streams.values():
             s.items.put_nowait({"batch": batch})
 
@@ -61,10 +70,6 @@ def chunk(ids: list[int], finish: str | None = None) -> dict[str, Any]:
             "stop_reason": None, "usage": [3, 0, ids[-1]], "worker_id": "worker-0"}
 
 
-async def started(sub_id: str) -> bool:
-    return True
-
-
 async def collect(agen: Any, into: list[dict], delay: float = 0.0) -> None:
     async for c in agen:
         into.append(c)
@@ -76,8 +81,8 @@ def test_batches_reach_their_requests_in_order_and_slow_readers_merge():
         w, demux = FakeWorker(), TokenDemux()
         a: list[dict] = []
         b: list[dict] = []
-        ta = asyncio.create_task(collect(demux.stream(0, w, "a", started), a))
-        tb = asyncio.create_task(collect(demux.stream(0, w, "b", started), b, delay=0.2))
+        ta = asyncio.create_task(collect(demux.stream(0, w, "a", w.starter("a")), a))
+        tb = asyncio.create_task(collect(demux.stream(0, w, "b", w.starter("b")), b, delay=0.2))
         await asyncio.sleep(0.05)
         assert len(w.streams) == 1  # both requests on one subscription
         w.send({"a": [chunk([1])], "b": [chunk([1])]})
@@ -106,8 +111,8 @@ def test_a_dead_worker_fails_exactly_its_requests_and_is_subscribed_anew():
         w0, w1, demux = FakeWorker(), FakeWorker(), TokenDemux()
         on0: list[dict] = []
         on1: list[dict] = []
-        t0 = asyncio.create_task(collect(demux.stream(0, w0, "x", started), on0))
-        t1 = asyncio.create_task(collect(demux.stream(1, w1, "y", started), on1))
+        t0 = asyncio.create_task(collect(demux.stream(0, w0, "x", w0.starter("x")), on0))
+        t1 = asyncio.create_task(collect(demux.stream(1, w1, "y", w1.starter("y")), on1))
         await asyncio.sleep(0.05)
         w0.send({"x": [chunk([1])]})
         w1.send({"y": [chunk([1])]})
@@ -121,7 +126,7 @@ def test_a_dead_worker_fails_exactly_its_requests_and_is_subscribed_anew():
         assert [c["token_ids"] for c in on1] == [[1], [2]]
         # the next request on worker 0 subscribes to its restarted actor
         again: list[dict] = []
-        t2 = asyncio.create_task(collect(demux.stream(0, w0, "z", started), again))
+        t2 = asyncio.create_task(collect(demux.stream(0, w0, "z", w0.starter("z")), again))
         await asyncio.sleep(0.05)
         w0.send({"z": [chunk([5], "stop")]})
         await asyncio.wait_for(t2, 5)
@@ -135,15 +140,18 @@ def test_a_worker_that_forgot_the_subscription_gets_a_new_one():
         w, demux = FakeWorker(), TokenDemux()
         subs: list[str] = []
 
-        async def start(sub_id: str) -> bool:
+        keys: list[str] = []
+
+        async def start(sub_id: str, key: str) -> bool:
             subs.append(sub_id)
+            keys.append(key)
             return len(subs) > 1  # the first answer: "no such subscription" (it restarted)
 
         got: list[dict] = []
         task = asyncio.create_task(collect(demux.stream(0, w, "r", start), got))
         await asyncio.sleep(0.05)
         assert len(subs) == 2 and subs[0] != subs[1]
-        w.streams[subs[1]].items.put_nowait({"batch": {"r": [chunk([4], "stop")]}})
+        w.streams[subs[1]].items.put_nowait({"batch": {keys[1]: [chunk([4], "stop")]}})
         await asyncio.wait_for(task, 5)
         assert got[0]["token_ids"] == [4]
 
@@ -163,3 +171,34 @@ def test_merge_and_end_markers():
         return [c async for c in box.chunks()]
 
     assert [c["token_ids"] for c in asyncio.run(run())] == [[1]]
+
+
+def test_two_streams_of_one_request_id_keep_their_own_chunks():
+    """A client may reuse a request id that is still running: the worker refuses the second
+    stream, and that refusal must not end (or take the chunks of) the first."""
+    async def run() -> tuple[list[dict], list[dict]]:
+        w, demux = FakeWorker(), TokenDemux()
+        keys: list[str] = []
+
+        async def start(sub_id: str, key: str) -> bool:
+            keys.append(key)
+            return True
+
+        first: list[dict] = []
+        second: list[dict] = []
+        t1 = asyncio.create_task(collect(demux.stream(0, w, "dup", start), first))
+        await asyncio.sleep(0.05)
+        w.send({keys[0]: [chunk([1])]})
+        t2 = asyncio.create_task(collect(demux.stream(0, w, "dup", start), second))
+        await asyncio.sleep(0.05)
+        assert len(keys) == 2 and keys[0] != keys[1]
+        w.send({keys[1]: [{"error": "invalid", "message": "request id 'dup' is in use"}]})
+        await asyncio.wait_for(t2, 5)
+        w.send({keys[0]: [chunk([2], "length")]})
+        await asyncio.wait_for(t1, 5)
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert [t for c in first for t in c["token_ids"]] == [1, 2]
+    assert first[-1]["finish_reason"] == "length"
+    assert [c.get("error") for c in second] == ["invalid"]

@@ -1,6 +1,7 @@
 """The batched token path end to end (real Ray, workers, gRPC): many concurrent streams keep
 their order and come in shared batches; streams cancelled mid-batch take nothing from the
-others; a slow consumer stalls nobody; a worker killed mid-batch fails exactly its own
+others; a request id sent again while it runs is refused without touching the first stream;
+a slow consumer stalls nobody; a worker killed mid-batch fails exactly its own
 streams with UNAVAILABLE, and its state goes through loading back to ready."""
 
 from __future__ import annotations
@@ -99,6 +100,26 @@ def test_streams_cancelled_mid_batch_take_nothing_from_the_others(serve_app, smo
     assert got == want
     dropped = serve_app.cancels_serve_dropped()  # those streams run to their end
     _wait_idle(serve_app, timeout=300 if dropped else 60)  # the cancelled ones' KV freed
+
+
+def test_a_request_id_sent_again_while_running_leaves_the_first_stream_whole(serve_app, smol_llm):
+    prompt = "Write a short story about a lighthouse."
+    want = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48,
+                                                      ignore_eos=True))[0].token_ids
+    rid = f"reused-{time.monotonic()}"
+    first_req, again = _req(prompt, 48, rid), _req("Hi.", 4, rid)  # one session: one worker
+    first_req.request_id = again.request_id = rid
+    with grpc.insecure_channel(serve_app.grpc_target) as ch:
+        stub = kvserve_pb2_grpc.KVServeStub(ch)
+        call = stub.GenerateStream(first_req, metadata=serve_app.metadata, timeout=120)
+        head = next(call)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateStream(again, metadata=serve_app.metadata, timeout=120))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "in use" in e.value.details()
+        rest = list(call)
+    assert list(head.delta_token_ids) + [t for c in rest for t in c.delta_token_ids] == want
+    assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 48
+    _wait_idle(serve_app)
 
 
 def test_a_slow_consumer_stalls_no_other_stream(serve_app):
