@@ -12,14 +12,14 @@ from test_token_demux import FakeWorker, Remote
 from kvserve.deploy.stream_relay import StreamRelay
 
 
-def _worker(name: str, batch: dict[str, list[dict[str, Any]]]) -> FakeWorker:
-    """A worker that answers `start` / `start_resume` by sending `batch` on the caller's
-    subscription."""
+def _worker(name: str, chunks: list[dict[str, Any]]) -> FakeWorker:
+    """A worker that answers `start` / `start_resume` by sending `chunks` on the caller's
+    subscription, under the stream key the caller gave (their last argument)."""
     w = FakeWorker()
     w.name = name  # type: ignore[attr-defined]
 
     async def started(sub_id: str, *args: Any) -> bool:
-        w.streams[sub_id].items.put_nowait({"batch": batch})
+        w.streams[sub_id].items.put_nowait({"batch": {args[-1]: chunks}})
         return True
 
     w.start = Remote(started)  # type: ignore[attr-defined]
@@ -28,8 +28,8 @@ def _worker(name: str, batch: dict[str, list[dict[str, Any]]]) -> FakeWorker:
 
 
 def test_a_move_to_a_new_worker_waits_for_its_handle():
-    tail = {"r": [{"token_ids": [3], "finish_reason": "length"}]}
-    first = {"r": [{"token_ids": [1, 2], "finish_reason": None}, {"moved_to": 1}]}
+    tail = [{"token_ids": [3], "finish_reason": "length"}]
+    first = [{"token_ids": [1, 2], "finish_reason": None}, {"moved_to": 1}]
     workers: list[Any] = [_worker("worker-0", first)]
     moves: list[tuple[int, int]] = []
 
