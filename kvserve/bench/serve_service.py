@@ -82,6 +82,7 @@ class BenchService:
                     stopped.append(p)
                 except psutil.Error:  # exited meanwhile
                     pass
+            _wait_stopped(stopped)
             yield
         finally:
             for p in stopped:
@@ -89,6 +90,22 @@ class BenchService:
                     p.send_signal(signal.SIGCONT)
                 except psutil.Error:
                     pass
+
+
+def _wait_stopped(procs: list[Any], timeout_s: float = 2.0) -> None:
+    """SIGSTOP takes effect when a process next leaves the kernel; one in an uninterruptible
+    wait (disk I/O) runs on until then. Wait, bounded, so the block starts on a quiet machine."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                    break
+            except psutil.Error:  # exited
+                break
+            time.sleep(0.005)
 
 
 def start_service(

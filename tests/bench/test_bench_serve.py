@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -326,15 +327,26 @@ def test_paused_service_stops_its_processes_and_resumes_them():
 
     from kvserve.bench.serve_service import BenchService
 
+    def settled(p: psutil.Process, stopped: bool) -> bool:
+        # A signal takes effect when the process next leaves the kernel: one still in exec's
+        # disk reads shows 'disk-sleep' for a moment, so wait (bounded) for the state.
+        deadline = time.monotonic() + 10
+        while (p.status() == psutil.STATUS_STOPPED) != stopped:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     child = subprocess.Popen(["sleep", "30"])  # stands in for the Ray processes: a descendant
     try:
         p = psutil.Process(child.pid)
         with BenchService(1, 2, None).paused():
-            assert p.status() == psutil.STATUS_STOPPED
-        assert p.status() != psutil.STATUS_STOPPED
+            assert settled(p, stopped=True)
+        assert settled(p, stopped=False)
         with pytest.raises(RuntimeError), BenchService(1, 2, None).paused():
+            assert settled(p, stopped=True)
             raise RuntimeError("a failed round")  # the processes go on even then
-        assert p.status() != psutil.STATUS_STOPPED
+        assert settled(p, stopped=False)
     finally:
         child.kill()
         child.wait()
