@@ -14,17 +14,14 @@ kvserve leak).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from serve_fixtures import API_KEY, ENGINE, free_port  # noqa: E402
+from serve_fixtures import API_KEY, ENGINE, ServeApp, free_port  # noqa: E402
 
 from kvserve.deploy.config import ServeConfig  # noqa: E402
 from kvserve.deploy.serve_cli import deploy  # noqa: E402
@@ -35,17 +32,6 @@ from kvserve.router.router import NAMESPACE, ROUTER_NAME  # noqa: E402
 MD = (("authorization", f"Bearer {API_KEY}"),)
 LONG = pb.SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
 PROMPT = "Count from one to one thousand:"
-
-
-def streams(router) -> int:
-    return sum(ray.get(w.load.remote())["streams"] for w in ray.get(router.workers.remote()))
-
-
-def ingress_slots(http_port: int) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/server_info",
-                                 headers={"authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return int(json.loads(r.read())["ingress"]["slots"])
 
 
 def one_round(stub, router, rnd: int) -> list:
@@ -83,23 +69,22 @@ def main() -> None:
     deploy(cfg, ray_init={"num_cpus": 4, "include_dashboard": False, "log_to_driver": False},
            start_timeout_s=900)
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    app = ServeApp(cfg.grpc_port, cfg.http_port, API_KEY, router, cfg)
     dropped = leaked = 0
-    with grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as ch:
+    with grpc.insecure_channel(app.grpc_target) as ch:
         stub = kvserve_pb2_grpc.KVServeStub(ch)
         for rnd in range(args.rounds):
             for c in one_round(stub, router, rnd):
                 c.cancel()
-            deadline = time.monotonic() + 10
-            while (left := streams(router)) and time.monotonic() < deadline:
-                time.sleep(0.25)
-            if left:
-                held = ingress_slots(cfg.http_port)
+            if left := app.streams_left(settle_s=10):
+                held = app.ingress_slots()
+                if not isinstance(held, int):
+                    raise RuntimeError(f"the ingress's slot count is {held}")
                 dropped += min(left, held)
                 leaked += max(0, left - held)
                 print(f"round {rnd}: {left} stream(s) still running, ingress serves {held}",
                       flush=True)
-                while streams(router):  # let them end before the next round
-                    time.sleep(0.5)
+                app.streams_left(settle_s=600)  # let them end before the next round
     print(f"{3 * args.rounds} cancels: {dropped} dropped by Serve, {leaked} leaked by kvserve")
 
 

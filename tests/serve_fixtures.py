@@ -61,6 +61,17 @@ class ServeApp:
         except OSError as e:
             return f"unknown ({e})"
 
+    def streams_left(self, settle_s: float) -> int:
+        """Streams the workers still run once they all ended or `settle_s` passed."""
+        import ray
+
+        deadline = time.monotonic() + settle_s
+        while True:
+            left = sum(ray.get(w.load.remote())["streams"] for w in self.workers())
+            if left == 0 or time.monotonic() > deadline:
+                return left
+            time.sleep(0.25)
+
     def cancels_serve_dropped(self, settle_s: float = 10.0) -> int:
         """After clients cancelled every stream they had open: how many still run.
 
@@ -71,14 +82,7 @@ class ServeApp:
         Callers give their cancelled streams a `max_tokens` that cannot finish in
         `settle_s` (a worker of the test app makes about 30 tokens/s for one stream on this
         2-core host; a cancel that arrives reaches its worker in well under a second)."""
-        import ray
-
-        deadline = time.monotonic() + settle_s
-        while True:
-            left = sum(ray.get(w.load.remote())["streams"] for w in self.workers())
-            if left == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+        left = self.streams_left(settle_s)
         if left:
             held = self.ingress_slots()
             assert held == left, (
