@@ -2,7 +2,9 @@
 
 A GGUF carries no tokenizer.json, only llama.cpp-style metadata (`tokenizer.ggml.*`), so the
 backend is rebuilt from the vocabulary, merges and token types; an HF directory's tokenizer.json
-is used as-is. Either way encode/decode match what transformers produces for the same files.
+is used as-is. Either way encode/decode match what transformers produces for the same files,
+except where transformers' GGUF loader drops a pre-tokenizer step the model was trained with
+(SmolLM's digit split): there kvserve follows the model's published tokenizer, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
             ]
         )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":  # SmolLM was trained on single digits
+    if pre == "smollm":  # SmolLM was trained with each numeric character split off (not only 0-9)
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
 
