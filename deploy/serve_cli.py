@@ -177,7 +177,9 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK) -> int:
 
 def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
-    s.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    from kvserve.models import MODEL_HELP
+
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "

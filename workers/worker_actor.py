@@ -25,6 +25,7 @@ import ray
 
 from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
@@ -99,7 +100,8 @@ class WorkerActor(StreamMoves, TokenBatches):
         reporter: Any = None,
     ) -> None:
         """`reporter` (the router) hears the start-up's progress: `worker_state(worker_id,
-        incarnation, state, load_s)` with "loading", "capturing graphs i/n", then "ready";
+        incarnation, state, load_s)` with "downloading <model>: <bytes> of <bytes> ..." (a Hub
+        name not in this node's cache yet), "loading", "capturing graphs i/n", then "ready";
         the actor answers no call before it is ready, so this is how it shows meanwhile."""
         self.worker_id = worker_id
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
@@ -111,7 +113,11 @@ class WorkerActor(StreamMoves, TokenBatches):
         _log_info_in_actor()
         t0 = time.monotonic()
         try:
-            engine = LLMEngine(self.config, lambda state: self._report(state, 0.0))
+            # a Hub name is fetched here, into this node's cache, its bytes shown as the state
+            path = resolve_model(self.config.model,
+                                 progress=lambda p: self._report(p.state(), 0.0))
+            engine = LLMEngine(self.config.model_copy(update={"model": path}),
+                               lambda state: self._report(state, 0.0))
         except Exception as e:
             self._report(f"failed: {e}", time.monotonic() - t0)
             raise
