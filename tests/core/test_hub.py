@@ -211,11 +211,19 @@ def test_offline_miss_and_unreachable_hub(hub, tiny_files, monkeypatch, tmp_path
 
 
 def test_cli_prints_one_line(hub, capsys):
+    import sys
+
     from kvserve.cli import main
 
     assert main(["generate", "--model", "org/nothing", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvserve: error: org/nothing: no model repository") and "\n" not in err
+    # `kvserve serve` finds out before it starts Ray
+    ray_loaded = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    assert main(["serve", "--model", "org/nothing@v2", "--gpus-per-worker", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvserve: error: org/nothing@v2: no model repository") and "\n" not in err
+    assert ray_loaded == ("ray" in sys.modules and sys.modules["ray"].is_initialized())
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
