@@ -25,13 +25,13 @@ import ray
 
 from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
-from kvserve.models import resolve_model
+from kvserve.models import resolve_model, served_name
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
 from kvserve.workers.engine.engine import LLMEngine
 from kvserve.workers.engine.migration import StreamMoved
-from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
+from kvserve.workers.metrics import RequestTracker, WorkerMetrics
 from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
 from kvserve.workers.token_batches import Subscription, TokenBatches
@@ -124,8 +124,7 @@ class WorkerActor(StreamMoves, TokenBatches):
         self.engine = AsyncLLMEngine(self.config, engine)
         self.load_s = time.monotonic() - t0
         self._report("ready", self.load_s)
-        self.metrics = WorkerMetrics(model_name or model_stem(self.engine.engine.model_path),
-                                     worker_id)
+        self.metrics = WorkerMetrics(model_name or served_name(self.config.model), worker_id)
         self._requests: dict[str, _Request] = {}
         self._subs: dict[str, Subscription] = {}
         self._gauges: dict[str, Any] = {}
