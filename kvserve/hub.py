@@ -228,7 +228,7 @@ class _Unreachable(Exception):
 
 
 def _model_info(hub: HubModel) -> Any:
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -237,8 +237,11 @@ def _model_info(hub: HubModel) -> Any:
         RevisionNotFoundError,
     )
 
+    # the Hub's metadata timeout (HF_HUB_ETAG_TIMEOUT): a silent network fails in seconds
+    timeout = float(getattr(constants, "HF_HUB_ETAG_TIMEOUT", 10))
     try:
-        return HfApi().model_info(hub.repo_id, revision=hub.rev, files_metadata=True)
+        return HfApi().model_info(hub.repo_id, revision=hub.rev, files_metadata=True,
+                                  timeout=timeout)
     except GatedRepoError:
         raise ModelLoadError(_gated(hub)) from None
     except RevisionNotFoundError:
