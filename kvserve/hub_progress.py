@@ -52,25 +52,35 @@ def _size(n: int) -> str:
 def measure(model: str, snapshot: str, storage: str, files: list[FileToFetch]
             ) -> DownloadProgress:
     done = files_done = 0
-    blobs = os.path.join(storage, "blobs")
     for f in files:
-        final = os.path.join(snapshot, f.name)
-        if os.path.exists(final):
-            done += os.path.getsize(final)
+        if os.path.exists(os.path.join(snapshot, f.name)):
             files_done += 1
-        elif f.blob:
-            parts = glob.glob(os.path.join(blobs, glob.escape(f.blob) + "*.incomplete"))
-            done += max((_getsize(p) for p in parts), default=0)
+        done += min(_file_bytes(snapshot, storage, f), f.size or 1 << 62)
     total = sum(f.size for f in files)
     return DownloadProgress(model, min(done, total) if total else done, total, files_done,
                             len(files))
 
 
-def _getsize(path: str) -> int:
+def _file_bytes(snapshot: str, storage: str, f: FileToFetch) -> int:
+    """Bytes of `f` on disk. A part file is renamed to its blob atomically, so looking at the
+    blob again after the parts catches a rename in between (the count never goes back)."""
+    if not f.blob:
+        return _getsize(os.path.join(snapshot, f.name)) or 0
+    blob = os.path.join(storage, "blobs", f.blob)
+    if os.path.exists(blob):
+        return _getsize(blob) or 0
+    parts = glob.glob(glob.escape(blob) + "*.incomplete")
+    sizes = [n for n in map(_getsize, parts) if n is not None]
+    if sizes:
+        return max(sizes)
+    return (_getsize(blob) or 0) if os.path.exists(blob) else 0
+
+
+def _getsize(path: str) -> int | None:
     try:
         return os.path.getsize(path)
-    except OSError:  # renamed into place between the glob and here
-        return 0
+    except OSError:  # renamed into place between the look and here
+        return None
 
 
 class ProgressPoller:
