@@ -69,7 +69,8 @@ class Service:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
-        self.tokenizer = load_tokenizer(resolve_model(cfg.model))
+        # the tokenizer only: the weights are fetched by the workers, into their nodes' caches
+        self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""

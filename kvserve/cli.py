@@ -11,7 +11,9 @@ DEFAULT_SYSTEM = None
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    from kvserve.models import MODEL_HELP
+
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="device KV pool capacity in tokens")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
