@@ -13,13 +13,13 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.workers.engine import constraints
 from kvserve.workers.engine.sampler import Sampler, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
 from kvserve.workers.model.runner import DTYPES, ModelRunner, Progress
-from kvserve.workers.structured import constraints
 from kvserve.workers.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)

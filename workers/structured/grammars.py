@@ -7,8 +7,9 @@ schema, cached, and off the step thread.
 
 - The tokenizer info is built from kvserve's own tokenizer (`vocab.py`: each token's bytes),
   on the first constrained request, with the end-of-sequence ids as stop tokens.
-- `compile(spec)` is an LRU keyed by the spec's text (one `Grammars` per engine, so per
-  tokenizer); `state(spec)` gives a new stream its matcher.
+- `compile(spec)` goes through one LRU per process keyed by the tokenizer and the spec's
+  text (engines of one model in a process share it); `state(spec)` gives a new stream its
+  matcher.
 - `check_spec(spec)` validates a spec without a tokenizer (building the grammar only,
   about a millisecond), so the ingress refuses a bad schema with a message that names it.
 - `mask(logits, rows, states)` fills the masks of every constrained row in one batched call
@@ -75,17 +76,28 @@ def check_spec(spec: StructuredOutput) -> None:
         raise _refusal(spec, e) from None
 
 
+# Shared by every engine of the process: one compiler per tokenizer, and one LRU of
+# compiled grammars keyed by the tokenizer and the spec's text.
+_LOCK = threading.Lock()
+_COMPILERS: dict[tuple, Any] = {}
+_CACHE: OrderedDict[tuple, Any] = OrderedDict()
+
+
+def clear_cache() -> None:
+    with _LOCK:
+        _CACHE.clear()
+
+
 class Grammars:
-    """One engine's grammar compiler, compiled-grammar cache and step bitmask."""
+    """One engine's view of the grammar engine: compiles (cached), its step bitmask, counters."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self._lock = threading.Lock()
-        self._compiler: Any = None
+        # the tokenizer's identity: the file it came from and the logits' width
+        self.key = (tokenizer.source, tokenizer.vocab_size, vocab_size)
         self._batch: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
         self._bitmask: torch.Tensor | None = None  # host [rows, words], grown as needed
         self._device_bitmask: torch.Tensor | None = None
         # counters (engine stats)
@@ -93,39 +105,40 @@ class Grammars:
         self.cache_hits = 0
         self.compile_s = 0.0
 
-    def _setup(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
+    def _compiler(self) -> Any:
+        with _LOCK:
+            compiler = _COMPILERS.get(self.key)
+            if compiler is None:
                 xgr = _xgr()
                 v = build_vocab(self.tokenizer, self.vocab_size)
                 info = xgr.TokenizerInfo(v.tokens, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=v.eos_ids or None)
-                self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
-                                                      cache_enabled=False)
-            return self._compiler
+                compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
+                                               cache_enabled=False)
+                _COMPILERS[self.key] = compiler
+            return compiler
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of `spec` (cached); InvalidRequestError for a bad spec."""
-        key = spec.key()
-        with self._lock:
-            hit = self._cache.get(key)
+        key = (self.key, spec.key())
+        with _LOCK:
+            hit = _CACHE.get(key)
             if hit is not None:
-                self._cache.move_to_end(key)
+                _CACHE.move_to_end(key)
                 self.cache_hits += 1
                 return hit
-        compiler = self._setup()
+        compiler = self._compiler()
         t0 = time.perf_counter()
         try:
             compiled = compiler.compile_grammar(_grammar(_xgr(), spec))
         except Exception as e:
             raise _refusal(spec, e) from None
-        with self._lock:
+        with _LOCK:
             self.compiles += 1
             self.compile_s += time.perf_counter() - t0
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            _CACHE[key] = compiled
+            while len(_CACHE) > self.cache_size:
+                _CACHE.popitem(last=False)
         return compiled
 
     def state(self, spec: StructuredOutput) -> GrammarState:
@@ -134,6 +147,8 @@ class Grammars:
     def mask(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """Set the logits of tokens each row's grammar refuses to -inf, in place (rows only)."""
         xgr = _xgr()
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
         bm = self._host_bitmask(logits.shape[0])
         self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bm, rows)
         if logits.device.type == "cpu":
