@@ -50,6 +50,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--json-schema-share", type=float, default=0.0, metavar="F",
                    help="instead: run the workload unconstrained, then with this share of the "
                         "requests constrained to a JSON schema, and compare their step times")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--json-schema-share: alternating passes of each kind")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="the schema for --json-schema-share (default: a long array of records)")
     p.set_defaults(func=cmd_throughput)
