@@ -17,6 +17,7 @@ from typing import Any
 from kvserve.errors import InvalidRequestError
 
 _MENTIONS_TOOLS = re.compile(r"\btools\b")
+_MENTIONS_TOOL_MESSAGES = re.compile(r"\btool_calls\b|['\"]tool['\"]|\btool_call\b")
 
 DEFAULT_TOOLS_PROMPT = (
     "You can call functions. They are listed below as JSON, one per line, inside "
@@ -29,7 +30,28 @@ DEFAULT_TOOLS_PROMPT = (
 
 
 def template_handles_tools(template: str) -> bool:
+    """Whether the template renders a `tools` list."""
     return _MENTIONS_TOOLS.search(template) is not None
+
+
+def template_handles_tool_messages(template: str) -> bool:
+    """Whether the template renders assistant tool calls and tool results itself."""
+    return _MENTIONS_TOOL_MESSAGES.search(template) is not None
+
+
+def render_inputs(template: str, messages: Any, tools: list[dict[str, Any]] | None
+                  ) -> tuple[Any, list[dict[str, Any]] | None]:
+    """The messages and `tools` variable to render `template` with."""
+    if not isinstance(messages, list):
+        return messages, tools  # refused with a clear message when rendered
+    if template_handles_tool_messages(template):
+        messages = for_template(messages)
+    elif any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+             for m in messages):
+        messages = plain(messages, None)
+    if tools and not template_handles_tools(template):
+        return plain(messages, tools), None
+    return messages, tools or None
 
 
 def _arguments(call: Any, i: int) -> tuple[str, Any]:
@@ -50,22 +72,20 @@ def _arguments(call: Any, i: int) -> tuple[str, Any]:
 
 
 def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for a template with a tools section: call arguments as objects."""
+    """Messages for a template that renders tool calls: OpenAI's arguments JSON text becomes
+    the object templates expect; everything else is left as it is."""
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if calls:
-            m = dict(m)
+        if calls and isinstance(calls, list):
             fixed = []
             for c in calls:
-                name, args = _arguments(c, i)
-                c = dict(c)
-                c["function"] = {"name": name, "arguments": args}
-                c.setdefault("type", "function")
-                # some templates read the call's fields at the top level
-                c["name"], c["arguments"] = name, args
+                fn = c.get("function") if isinstance(c, Mapping) else None
+                if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+                    _, args = _arguments(c, i)
+                    c = {**c, "function": {**fn, "arguments": args}}
                 fixed.append(c)
-            m["tool_calls"] = fixed
+            m = {**m, "tool_calls": fixed}
         out.append(m)
     return out
 

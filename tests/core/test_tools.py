@@ -173,3 +173,22 @@ def test_response_format_shapes():
                     ({"type": "grammar", "grammar": "root ::= x", "syntax": "lark"}, "GBNF")]:
         with pytest.raises(InvalidRequestError, match=msg):
             from_response_format(rf)
+
+
+def test_smollm2_template_gets_the_default_tools_prompt():
+    from kvserve.models import default_model
+    from kvserve.workers.loading.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model())
+    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4 C"}]
+    text = tok.apply_chat_template(msgs, tools=[WEATHER])
+    assert text.startswith("<|im_start|>system\n") and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n4 C\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    plain = tok.apply_chat_template(msgs[:1])
+    assert "<tools>" not in plain  # no tools, no tools prompt

@@ -123,16 +123,9 @@ class Tokenizer:
             )
         # tools and tool messages: as the template takes them, or kvserve's default tools
         # prompt where it has no tools section
-        tools = kwargs.pop("tools", None)
-        if not isinstance(messages, list):
-            pass  # render_chat refuses it with a clear message
-        elif tools_prompt.template_handles_tools(template):
-            messages = tools_prompt.for_template(messages)
-            if tools:
-                kwargs["tools"] = tools
-        elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages
-                          if isinstance(m, dict)):
-            messages = tools_prompt.plain(messages, tools)
+        messages, tools = tools_prompt.render_inputs(template, messages, kwargs.pop("tools", None))
+        if tools:
+            kwargs["tools"] = tools
         text = render_chat(
             template,
             messages,
