@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -108,6 +109,9 @@ def run(args: argparse.Namespace, threads: int, inp: tuple[int, int],
     for _ in range(args.rounds):
         base = _pass(engine, prompts, [free(n) for n in out_lens], full)
         mixed = _pass(engine, prompts, mixed_params, full)
+        print(f"round {len(rounds) + 1}: median step {base['step_ms_median']:.1f} ms "
+              f"unconstrained, {mixed['step_ms_median']:.1f} ms with json_schema",
+              file=sys.stderr, flush=True)
         rounds.append({"unconstrained": base, "with_json_schema": mixed,
                        "step_ratio": mixed["step_ms_median"] / base["step_ms_median"]})
     return {
