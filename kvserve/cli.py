@@ -33,6 +33,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON matching the JSON schema in FILE")
 
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
@@ -44,12 +46,22 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _params(a: argparse.Namespace):
+    from kvserve.errors import InvalidRequestError
     from kvserve.sampling import parse_sampling_params
+    from kvserve.structured import json_schema_output
 
+    structured = None
+    if getattr(a, "json_schema", None):
+        try:
+            with open(a.json_schema, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise InvalidRequestError(f"--json-schema {a.json_schema}: {e.strerror or e}") from None
+        structured = json_schema_output(text, where=f"--json-schema {a.json_schema}")
     return parse_sampling_params({
         "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
         "top_k": a.top_k, "min_p": a.min_p, "repetition_penalty": a.repetition_penalty,
-        "seed": a.seed, "stop": a.stop, "ignore_eos": a.ignore_eos,
+        "seed": a.seed, "stop": a.stop, "ignore_eos": a.ignore_eos, "structured": structured,
     })
 
 
