@@ -13,12 +13,14 @@ from kvserve.workers.loading.quant_format import QuantizedWeight
 from kvserve.workers.model.layers.decoder import DecoderModel
 from kvserve.workers.model.layers.weights import Weights
 from kvserve.workers.model.models.llama import LlamaForCausalLM
+from kvserve.workers.model.models.qwen3 import Qwen3ForCausalLM
 
 # (config, weights, device, dtype, max positions) -> model
 FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, int], DecoderModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 
