@@ -13,6 +13,7 @@ from kvserve.workers.loading.quant_format import QuantizedWeight
 from kvserve.workers.model.layers.decoder import DecoderModel
 from kvserve.workers.model.layers.weights import Weights
 from kvserve.workers.model.models.gemma2 import Gemma2ForCausalLM
+from kvserve.workers.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.workers.model.models.llama import LlamaForCausalLM
 from kvserve.workers.model.models.qwen3 import Qwen3ForCausalLM
 
@@ -23,6 +24,7 @@ FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, i
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 
