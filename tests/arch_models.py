@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tiny_models import TINY_VOCAB_SIZE, save_tokenizer
 
-ARCHS = ("qwen3", "gemma2", "gemma3")
+ARCHS = ("qwen3", "gemma2", "gemma3", "phi3")
 
 # Each family's chat template, in the style its published models ship (written for these
 # tests: the role markers, BOS handling and system-prompt rules of the family).

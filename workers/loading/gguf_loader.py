@@ -28,7 +28,7 @@ from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
 # models as "llama"; both use the same (permuted) Q/K layout.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 # llama.cpp's converter interleaves the rotary halves of Q and K for these (the archs whose
 # llama.cpp RoPE is the "normal", pairwise one); the NEOX-RoPE archs keep HF's order.
 _PERMUTED_QK = {"llama", "mistral"}

@@ -28,6 +28,7 @@ _HF_ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # transformers' defaults for keys a config.json may omit
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # ModelConfig.architecture values; workers/model/models/registry.py maps each to its family
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

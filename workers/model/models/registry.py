@@ -15,6 +15,7 @@ from kvserve.workers.model.layers.weights import Weights
 from kvserve.workers.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.workers.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.workers.model.models.llama import LlamaForCausalLM
+from kvserve.workers.model.models.phi3 import Phi3ForCausalLM
 from kvserve.workers.model.models.qwen3 import Qwen3ForCausalLM
 
 # (config, weights, device, dtype, max positions) -> model
@@ -25,6 +26,7 @@ FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, i
     "qwen3": Qwen3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 
