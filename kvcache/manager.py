@@ -13,6 +13,11 @@ With a host tier attached, a new stream's prefix is looked up on the device
 first, then on host (served by copy into newly reserved blocks); device blocks
 whose cached content the allocator drops are listed in the plan so the runner
 can demote them to host before the forward overwrites them.
+
+When every layer of the model attends through a sliding window (`window`), `commit`
+releases a stream's leading blocks once no future query can reach them: the table keeps
+their (stale) ids so positions still index it, and `StreamState.num_dropped` says how many
+lead it. Full dropped blocks stay in the prefix cache until the allocator reuses them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ class StreamState:
     num_computed: int = 0  # tokens whose KV is written and valid
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_cached_prompt: int = 0  # tokens served from the prefix cache on admission
+    num_dropped: int = 0  # leading blocks released: outside every layer's window
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """The blocks the stream still holds (its table without the dropped lead)."""
+        return self.block_ids[self.num_dropped :] if self.num_dropped else self.block_ids
 
 
 @dataclass
@@ -92,8 +103,13 @@ _NO_PAIRS: list[tuple[int, int]] = []
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
+        """`window`: every layer's sliding window (keys a query sees, itself included), when
+        all layers have one; blocks no query can reach any more are then released."""
         self.block_size = block_size
+        self.window = window
+        self.blocks_dropped = 0  # blocks released by windows, in total
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.streams: dict[str, StreamState] = {}
@@ -290,18 +306,29 @@ class KVCacheManager:
         self._unpin(plan)
         streams = self.streams
         caching = self.enable_prefix_caching
+        window = self.window
         for p in plan.streams:
             state = streams[p.stream_id]
             target = state.num_computed = p.target
             # most decode steps fill no block: nothing to hash
-            if not caching or len(state.block_hashes) >= target // bs:
-                continue
-            tokens = plan.token_ids[p.stream_id]
-            parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
-            for b in range(len(state.block_hashes), target // bs):
-                parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
-                state.block_hashes.append(parent)
-                self.pool.register(state.block_ids[b], parent)
+            if caching and len(state.block_hashes) < target // bs:
+                tokens = plan.token_ids[p.stream_id]
+                parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
+                for b in range(len(state.block_hashes), target // bs):
+                    parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
+                    state.block_hashes.append(parent)
+                    self.pool.register(state.block_ids[b], parent)
+            # the stream's next query sees keys from target - window + 1 on
+            if window is not None and target - window + 1 >= (state.num_dropped + 1) * bs:
+                self._drop_unreachable(state, target - window + 1)
+
+    def _drop_unreachable(self, state: StreamState, first_key: int) -> None:
+        """Release the blocks wholly before `first_key`. Full ones were published above, so
+        they stay findable in the prefix cache until the allocator reuses them."""
+        n = first_key // self.block_size
+        self.pool.release(reversed(state.block_ids[state.num_dropped : n]))
+        self.blocks_dropped += n - state.num_dropped
+        state.num_dropped = n
 
     def rollback(self, plan: StepPlan) -> None:
         """The step failed: return its reserved blocks; computed KV stays as it was."""
@@ -323,13 +350,13 @@ class KVCacheManager:
         """Release a stream's blocks (tail first, so its prefix stays cached longest)."""
         state = self.streams.pop(stream_id, None)
         if state is not None:
-            self.pool.release(reversed(state.block_ids))
+            self.pool.release(reversed(state.live_blocks))
         self.release_held(stream_id)
 
     def hold(self, stream_id: str) -> StreamState:
         """Take a stream out of the batch but keep its blocks referenced (write-back in flight)."""
         state = self.streams.pop(stream_id)
-        self.held[stream_id] = state.block_ids
+        self.held[stream_id] = state.live_blocks
         return state
 
     def release_held(self, stream_id: str) -> None:
@@ -365,7 +392,7 @@ class KVCacheManager:
         for sid, s in self.streams.items():
             if len(s.block_ids) * self.block_size < s.num_computed:
                 raise AssertionError(f"stream {sid}: {s.num_computed} tokens in {len(s.block_ids)} blocks")
-            for b in s.block_ids:
+            for b in s.live_blocks:
                 refs[b] += 1
         for blocks in self.held.values():
             for b in blocks:

@@ -93,9 +93,14 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                 "tokens and at least one must be left for the output"
             )
-        if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
+        # a stream holds its whole KV, or with every layer windowed the window and one chunk
+        window = self.kv.window
+        held = len(ids) + 1
+        if window is not None:
+            held = min(held, window + self.config.max_num_batched_tokens)
+        if self.kv.blocks_needed(held) + (window is not None) > self.kv.num_blocks:
             raise OutOfKVCacheError(
-                f"prompt of {len(ids)} tokens needs {self.kv.blocks_needed(len(ids) + 1)} KV "
+                f"prompt of {len(ids)} tokens needs {self.kv.blocks_needed(held)} KV "
                 f"blocks; the cache holds {self.kv.num_blocks} "
                 f"(kv_cache_tokens={self.config.kv_cache_tokens})"
             )
@@ -107,7 +112,9 @@ class LLMEngine:
         grammar = self.grammars.state(params.structured) if params.structured else None
         gen = make_generator(params.seed, self.runner.device)
         # a stream can never outgrow the pool: cap its length there (finish "length")
-        cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+        cap = self.max_model_len
+        if window is None:
+            cap = min(cap, self.kv.num_blocks * self.kv.block_size)
         seq = Sequence(
             request_id, text, ids, params, self.tokenizer, gen, cap, next(self._arrival), priority
         )
@@ -251,6 +258,7 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.pool.num_used,
             "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_dropped": self.kv.blocks_dropped,  # released by sliding windows
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate(),
             "generation_tokens_per_s": self.generated_tokens / elapsed,
             "kv_bytes_used": self.kv.pool.num_used * bpb,

@@ -27,10 +27,12 @@ VERSION = 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def model_geometry(engine: LLMEngine) -> dict[str, int]:
+def model_geometry(engine: LLMEngine) -> dict[str, int | str]:
+    """What a snapshot's KV and token ids must match: the architecture (its KV means
+    something else in another family even at the same shape) and the KV geometry."""
     c = engine.model_config
-    return {"vocab_size": c.vocab_size, "num_layers": c.num_layers,
-            "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+    return {"architecture": c.architecture, "vocab_size": c.vocab_size,
+            "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
 def export_stream(engine: LLMEngine, request_id: str) -> bytes:

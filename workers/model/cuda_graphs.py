@@ -22,7 +22,7 @@ import torch
 from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.workers.model.attention_triton import TritonStep
-from kvserve.workers.model.llama import LlamaModel
+from kvserve.workers.model.layers.decoder import DecoderModel
 from kvserve.workers.model.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, cache: DeviceKVCache, attn: AttentionBackend,
+    def __init__(self, model: DecoderModel, cache: DeviceKVCache, attn: AttentionBackend,
                  max_batch: int, max_blocks: int, scratch_block: int) -> None:
         self.model, self.cache, self.attn = model, cache, attn
         self.device = cache.kv.device
