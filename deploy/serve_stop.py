@@ -34,8 +34,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # next poll of Serve's state; its aborted requests' answers reach their clients)
 APP_MARGIN_S = 3.0
 RAY_SHUTDOWN_S = 3.0  # disconnecting from a joined Ray
-# ending them: each try is SIGTERM, 1 s, SIGKILL, 1 s (a raylet may start one meanwhile)
-END_S = 3.0
+# the whole stop is over this long after the grace period (the processes ended, their ports
+# closed: on a loaded machine a killed process can take seconds to go)
+STOP_WITHIN_S = 9.0
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -47,6 +48,7 @@ class StopSignals:
         self.stop = threading.Event()
         self.force = threading.Event()
         self.signum: int | None = None
+        self.at: float | None = None  # when the first signal came (monotonic)
         self._interrupt = False
         self.install()
 
@@ -58,7 +60,7 @@ class StopSignals:
         if self.stop.is_set():
             self.force.set()
             return
-        self.signum = signum
+        self.signum, self.at = signum, time.monotonic()
         self.stop.set()
         if self._interrupt:
             self._interrupt = False
@@ -188,12 +190,13 @@ def stop_service(graceful: Callable[[], None], grace_s: float, signals: StopSign
     until `ports` are free."""
     import ray
 
+    start = signals.at or time.monotonic()
     if ray.is_initialized():
         own = OwnRay()
         # Serve's proxies hold the ports: once they are free, nothing serves the requests
         # in flight any more (the proxies went with a signal to the process group)
         serving = (lambda: any(port_in_use(p) for p in ports)) if own.core else (lambda: True)
-        _bounded(graceful, time.monotonic() + grace_s + APP_MARGIN_S, own, serving, signals)
+        _bounded(graceful, start + grace_s + APP_MARGIN_S, own, serving, signals)
     if not _running(descendants()) and ray.is_initialized():
         # joined: its processes are not this command's to stop; disconnect
         t = threading.Thread(target=_quietly(ray.shutdown), name="ray-shutdown", daemon=True)
@@ -203,7 +206,7 @@ def stop_service(graceful: Callable[[], None], grace_s: float, signals: StopSign
     # would stop its processes one by one, each given its time, and talk to a GCS that may
     # be gone; the app is stopped, so they go together. Again while any is left: a raylet
     # still running may have started a worker meanwhile (an actor restarted).
-    deadline = time.monotonic() + END_S
+    deadline = max(start + grace_s + STOP_WITHIN_S, time.monotonic() + 3.0)
     while True:
         left = _running(descendants())
         busy = [p for p in ports if p and port_in_use(p)]
