@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
 from kvserve.deploy.serve_stop import OwnRay, StopSignals, become_subreaper, stop_service
 
@@ -79,7 +80,7 @@ def start_ray(cfg: ServeConfig, ray_init: dict[str, Any] | None = None,
     if not ray.is_initialized():
         if cfg.num_gpus_per_worker == 0:
             apply_cpu_host_defaults()
-        ray.init(**{**local_ray_init(ray_host), **(ray_init or {})})
+        init_ray({**local_ray_init(ray_host), **(ray_init or {})})
 
 
 def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoints:
