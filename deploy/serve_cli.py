@@ -15,7 +15,13 @@ from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
-from kvserve.deploy.serve_stop import OwnRay, StopSignals, become_subreaper, stop_service
+from kvserve.deploy.serve_stop import (
+    OwnRay,
+    StopSignals,
+    become_subreaper,
+    end_own_processes,
+    stop_service,
+)
 
 
 @dataclass
@@ -179,7 +185,14 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
                   dashboard_port: int = DEFAULT_DASHBOARD_PORT) -> int:
     """`kvserve serve`: start, print where everything is, serve until SIGTERM / SIGINT, stop
     (see deploy/serve_stop.py). Returns 0 when stopped by a signal, whenever it came."""
-    signals = StopSignals()  # before anything starts: nothing may come up unstoppable
+    ports = [cfg.http_port, cfg.grpc_port]
+
+    def stuck() -> None:  # a signal the main thread, stuck in Ray's start, cannot take
+        end_own_processes(ports, time.monotonic() + 5.0)
+        print("kvserve: stopped", flush=True)
+        _exit_now(0)
+
+    signals = StopSignals(stuck)  # before anything starts: nothing may come up unstoppable
     become_subreaper()
     keep_ray_local(ray_host)  # before Ray is imported (it reads the setting then)
     joining = _joining()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import signal
 import socket
 import threading
@@ -38,23 +39,46 @@ RAY_SHUTDOWN_S = 3.0  # disconnecting from a joined Ray
 # closed: on a loaded machine a killed process can take seconds to go)
 STOP_WITHIN_S = 9.0
 PR_SET_CHILD_SUBREAPER = 36
+STUCK_S = 5.0  # a signal's Python handler has not run this long after it: the main thread is stuck
 
 
 class StopSignals:
     """SIGTERM / SIGINT handling of `kvserve serve`: the first signal asks for a stop (and
-    unwinds a start in progress), a second one forces it."""
+    unwinds a start in progress), a second one forces it.
 
-    def __init__(self) -> None:
+    Python runs a signal's handler in the main thread once it is back in Python code; a
+    start stuck inside Ray's C++ (a raylet that never answers) would never get there. The
+    signal also wakes a watcher thread (Python's wakeup fd); when the handler has not run
+    `stuck_s` later, the watcher calls `on_stuck` (end what started, exit)."""
+
+    def __init__(self, on_stuck: Callable[[], None] | None = None, stuck_s: float = STUCK_S
+                 ) -> None:
         self.stop = threading.Event()
         self.force = threading.Event()
         self.signum: int | None = None
         self.at: float | None = None  # when the first signal came (monotonic)
         self._interrupt = False
+        self.on_stuck, self.stuck_s = on_stuck, stuck_s
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self.install()
+        threading.Thread(target=self._watch, name="stop-signal-watch", daemon=True).start()
 
     def install(self) -> None:
         for s in SIGNALS:
             signal.signal(s, self._handle)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+
+    def _watch(self) -> None:
+        while os.read(self._wake_r, 1)[0] not in SIGNALS:
+            pass
+        deadline = time.monotonic() + self.stuck_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.stop.is_set() and self.on_stuck is not None:
+            log.warning("kvserve: the start is stuck in Ray and cannot take the signal; "
+                        "ending what started")
+            self.on_stuck()
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop.is_set():
@@ -202,11 +226,15 @@ def stop_service(graceful: Callable[[], None], grace_s: float, signals: StopSign
         t = threading.Thread(target=_quietly(ray.shutdown), name="ray-shutdown", daemon=True)
         t.start()
         t.join(RAY_SHUTDOWN_S)
-    # The Ray this command started (or the part of it that had started): Ray's own shutdown
-    # would stop its processes one by one, each given its time, and talk to a GCS that may
-    # be gone; the app is stopped, so they go together. Again while any is left: a raylet
-    # still running may have started a worker meanwhile (an actor restarted).
-    deadline = max(start + grace_s + STOP_WITHIN_S, time.monotonic() + 3.0)
+    end_own_processes(ports, max(start + grace_s + STOP_WITHIN_S, time.monotonic() + 3.0))
+
+
+def end_own_processes(ports: list[int], deadline: float) -> None:
+    """End the Ray this command started (or the part of it that had started), and wait until
+    `ports` are free (both until `deadline`). Ray's own shutdown would stop its processes one
+    by one, each given its time, and talk to a GCS that may be gone; the app is stopped, so
+    they go together. Again while any is left: a raylet still running may have started a
+    worker meanwhile (an actor restarted)."""
     while True:
         left = _running(descendants())
         busy = [p for p in ports if p and port_in_use(p)]

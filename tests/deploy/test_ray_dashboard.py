@@ -167,6 +167,7 @@ def test_a_signal_to_the_whole_process_group_stops_it(served):
     """Last: the Ray processes get the same SIGTERM; the command must not wait for them."""
     served.signal(signal.SIGTERM, group=True)
     rc = served.wait_exit(served.grace_s + STOP_MARGIN_S)
+    print(served.output)  # its timeline, shown with a failure
     assert rc == 0, f"exit status {rc}:\n{served.output[-6000:]}"
     busy = {k: p for k, p in served.busy_ports().items() if k in ("gRPC", "HTTP")}
     assert not busy, busy
