@@ -291,7 +291,9 @@ class GrpcFrontend:
             for w in info["workers"]
         ]
         return pb.GetServerInfoResponse(version="0.1.0", model=svc.model_name, workers=workers,
-                                        routing_policy=info["routing_policy"])
+                                        routing_policy=info["routing_policy"],
+                                        metrics_port=info["ray"]["metrics_port"],
+                                        dashboard_url=info["ray"]["dashboard_url"])
 
     async def DrainWorker(
         self, request: pb.DrainWorkerRequest, grpc_context: Any

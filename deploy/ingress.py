@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from kvserve.deploy import admin, auth, limits, metrics
+from kvserve.deploy import admin, auth, grafana, limits, metrics
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
@@ -66,6 +66,7 @@ class KVServeIngress(GrpcFrontend):
         # running after shutdown_grace_s with UNAVAILABLE / 503 before Serve cuts them
         self.shutdown_watch = ShutdownWatch(self.service, self.service.cfg.shutdown_grace_s)
         self.shutdown_watch.start()
+        grafana.start_provisioning()  # kvserve's dashboard beside Ray's own (background)
 
     # ---- HTTP -----------------------------------------------------------------------------
     @app.get("/health")

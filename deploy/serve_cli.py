@@ -7,14 +7,23 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
-from kvserve.errors import StartupError
+from kvserve.deploy.serve_stop import (
+    OwnRay,
+    StopSignals,
+    become_subreaper,
+    end_own_processes,
+    stop_service,
+)
+from kvserve.errors import KVServeError, StartupError
 
 
 @dataclass
@@ -29,6 +38,9 @@ START_TIMEOUT_ENV = "KVSERVE_START_TIMEOUT_S"
 DEFAULT_START_TIMEOUT_S = 600.0
 LOOPBACK = "127.0.0.1"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-node, loopback mode
+# Ray's metrics export port (the one KubeRay uses) and dashboard port, for a Ray kvserve starts
+DEFAULT_METRICS_PORT = 8080
+DEFAULT_DASHBOARD_PORT = 8265
 
 
 def local_ray_init(ray_host: str = LOOPBACK) -> dict[str, Any]:
@@ -61,18 +73,31 @@ def deploy(
 
     A Ray started here listens on `ray_host` only (loopback by default); `ray_init` entries
     win over that. A Ray that is already running keeps its own settings."""
+    start_ray(cfg, ray_init, ray_host)
+    return deploy_app(cfg, start_timeout_s)
+
+
+def start_ray(cfg: ServeConfig, ray_init: dict[str, Any] | None = None,
+              ray_host: str = LOOPBACK) -> None:
+    """Connect to the running Ray (this process's, $RAY_ADDRESS or one `ray start` began on
+    this machine), or start a local one."""
     if not _ray_running():
         keep_ray_local(ray_host)
     import ray
+
+    if not ray.is_initialized():
+        if cfg.num_gpus_per_worker == 0:
+            apply_cpu_host_defaults()
+        init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+
+
+def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoints:
+    """Start Serve on the configured ports and deploy the app (Ray is running)."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     if start_timeout_s is None:
         start_timeout_s = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
-    if not ray.is_initialized():
-        if cfg.num_gpus_per_worker == 0:
-            apply_cpu_host_defaults()
-        ray.init(**{**local_ray_init(ray_host), **(ray_init or {})})
     deadline = time.monotonic() + start_timeout_s
     _until_ready(lambda: serve.start(
         http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port),
@@ -157,39 +182,84 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
             ray.shutdown()
 
 
-def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK) -> int:
+def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
+                  metrics_port: int = DEFAULT_METRICS_PORT,
+                  dashboard_port: int = DEFAULT_DASHBOARD_PORT) -> int:
+    """`kvserve serve`: start, print where everything is, serve until SIGTERM / SIGINT, stop
+    (see deploy/serve_stop.py). Returns 0 when stopped by a signal, whenever it came."""
+    ports = [cfg.http_port, cfg.grpc_port]
+
+    def stuck() -> None:  # a signal the main thread, stuck in Ray's start, cannot take
+        end_own_processes(ports, time.monotonic() + 5.0)
+        print("kvserve: stopped", flush=True)
+        _exit_now(0)
+
+    signals = StopSignals(stuck)  # before anything starts: nothing may come up unstoppable
+    become_subreaper()
+    keep_ray_local(ray_host)  # before Ray is imported (it reads the setting then)
+    joining = _joining()
+    if not joining:
+        _check_free({"--metrics-port": metrics_port, "--dashboard-port": dashboard_port})
+    print(f"kvserve: starting {'(joining the running Ray)' if joining else 'Ray'} ...",
+          flush=True)
+    ray_init = {} if joining else {"include_dashboard": True, "dashboard_port": dashboard_port
+                                   or _free_port(), "_metrics_export_port": metrics_port or None}
+    try:
+        with signals.interrupting():
+            _resolve_tokenizer(cfg)
+    except KeyboardInterrupt:  # stopped while the tokenizer downloads: nothing else started
+        print("kvserve: stopped", flush=True)
+        _exit_now(0)
+    try:
+        with signals.interrupting():
+            with signals.kept():
+                start_ray(cfg, ray_init, ray_host)
+            print(f"kvserve: deploying {cfg.model_name()} on {cfg.num_workers} worker(s) "
+                  "(the model loads) ...", flush=True)
+            ep = _deploy_showing_states(cfg)
+            _print_banner(cfg, ep)
+    except KeyboardInterrupt:  # a signal during the start: stop what started
+        pass
+    except KVServeError as e:  # a worker that failed to start says why, in one line
+        print(f"kvserve: {e}; stopping what started", flush=True)
+        _stop(cfg, signals)
+        _exit_now(1)
+    except BaseException:
+        print("kvserve: the start failed; stopping what started", flush=True)
+        traceback.print_exc()
+        _stop(cfg, signals)
+        _exit_now(1)
+    signals.stop.wait()  # a signal's handler sets it (the wait wakes for the handler)
+    name = signal.Signals(signals.signum).name if signals.signum else "a signal"
+    print(f"kvserve: {name}: shutting down (requests in flight get {cfg.shutdown_grace_s:g} s)",
+          flush=True)
+    _stop(cfg, signals)
+    print("kvserve: stopped", flush=True)
+    _exit_now(0)
+    return 0
+
+
+def _resolve_tokenizer(cfg: ServeConfig) -> None:
+    """A Hub name the Hub does not know (or gated, or unreachable) fails here in one line;
+    the ingress then finds the tokenizer in the cache, the workers fetch the weights."""
     from kvserve.models import resolve_model
 
-    # a Hub name the Hub does not know (or gated, or unreachable) fails here in one line; the
-    # ingress then finds the tokenizer in the cache, the workers fetch the weights
     resolve_model(cfg.model, tokenizer_only=True)
+
+
+def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
+    """deploy_app, printing each worker's start-up state as it changes."""
     shown = StartupStates(cfg.router_name)
     shown.start()
     try:
-        ep = deploy(cfg, ray_host=ray_host)
+        return deploy_app(cfg)
     except RuntimeError:  # Serve's "deploying failed" says less than the worker that failed
-        shown.stop()
         failed = shown.failed()
         if not failed:
             raise
-        shutdown(cfg)
         raise StartupError(f"the app did not start: {failed}") from None
-    shown.stop()
-    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)", flush=True)
-    print(f"  gRPC  {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} --prompt ...)")
-    print(f"  HTTP  {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
-    print("Ctrl-C to stop", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
-    print(f"kvserve: shutting down (requests in flight get {cfg.shutdown_grace_s:g} s)",
-          flush=True)
-    shutdown(cfg)
-    return 0
+    finally:
+        shown.stop()
 
 
 class StartupStates:
@@ -244,6 +314,76 @@ class StartupStates:
             self._shown[w["worker_id"]] = state
 
 
+def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
+    import ray
+
+    joined = ray.is_initialized() and not OwnRay().core
+
+    def graceful() -> None:
+        stop_app(APP_NAME, cfg.shutdown_grace_s + 60.0)
+        if joined:  # a Ray of its own goes as a whole; in a joined one, Serve and the router
+            shutdown(cfg)
+
+    stop_service(graceful, cfg.shutdown_grace_s, signals, [cfg.http_port, cfg.grpc_port])
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown. Everything is stopped by now; what is left
+    is freeing the heap (torch, Ray: seconds on a loaded machine), and Ray's exit handlers,
+    which wait on a call stuck if the Ray processes went with the same signal (a GCS that
+    is gone is waited for 60 s)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
+    from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
+
+    ray_ep = ray_endpoints()
+    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)")
+    print(f"  gRPC       {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} "
+          "--prompt ...)")
+    print(f"  HTTP       {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
+    print(f"  metrics    {ray_ep.metrics_url}   (Prometheus; kvserve's series are ray_kvserve_*)")
+    if ray_ep.dashboard_url:
+        auth = f"   ({token_hint()})" if ray_ep.token_auth else ""
+        print(f"  dashboard  {ray_ep.dashboard_url}{auth}")
+    print("Ctrl-C to stop", flush=True)
+
+
+def _joining() -> bool:
+    """Whether start_ray will connect to a running Ray instead of starting one."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:
+        return False
+    try:
+        return canonicalize_bootstrap_address(None) is not None
+    except Exception:  # an address that does not parse: ray.init says so
+        return True
+
+
+def _check_free(ports: dict[str, int]) -> None:
+    from kvserve.deploy.serve_stop import port_in_use
+
+    for flag, port in ports.items():
+        if port and port_in_use(port):
+            raise SystemExit(f"kvserve: port {port} ({flag}) is in use; pick another with "
+                             f"{flag} (0: any free port)")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
 def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
     from kvserve.models import MODEL_HELP
@@ -263,6 +403,12 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--ray-host", default=LOOPBACK,
                    help="address the Ray that kvserve starts binds to (its GCS, raylet, workers, "
                         "dashboard); default loopback only. Ignored when joining a running Ray")
+    s.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="Ray's Prometheus metrics port (0 = any free port); the banner and "
+                        "GetServerInfo name it. Ignored when joining a running Ray")
+    s.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
+                   help="the Ray dashboard's port (0 = any free port). Ignored when joining a "
+                        "running Ray")
     s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body / gRPC message accepted (HTTP 413 beyond)")
     s.add_argument("--api-key", action="append", default=[],
@@ -285,7 +431,8 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def cmd_serve(a: Any) -> int:
-    return serve_forever(config_from_args(a), ray_host=a.ray_host)
+    return serve_forever(config_from_args(a), ray_host=a.ray_host, metrics_port=a.metrics_port,
+                         dashboard_port=a.dashboard_port)
 
 
 def config_from_args(a: Any) -> ServeConfig:

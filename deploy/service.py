@@ -23,6 +23,7 @@ from ray.exceptions import ObjectLostError, RayActorError
 from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.ray_endpoints import known_ray_endpoints
 from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.deploy.stream_relay import StreamRelay
 from kvserve.deploy.token_demux import TokenDemux
@@ -366,6 +367,8 @@ class Service:
         # this ingress replica's own view: slots it holds for requests it is serving
         info["ingress"] = {"slots": len(self.live), "retries": self.retries,
                            "pick_waits": self.waits, **self.tokens.info()}
+        ray_ep = await asyncio.to_thread(known_ray_endpoints)
+        info["ray"] = {"dashboard_url": ray_ep.dashboard_url, "metrics_port": ray_ep.metrics_port}
         return info
 
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from kvserve.router.config import RouterConfig
-from kvserve.router.router import NAMESPACE, ROUTER_NAME, RouterActor
+from kvserve.router.router import NAMESPACE, ROUTER_NAME, RouterActor, worker_actor_name
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +62,34 @@ def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -
 
 
 def kill_router(name: str = ROUTER_NAME) -> bool:
-    """Kill the router (its workers die with it, their owner); returns whether one ran.
-    Waits until its name is free, so a new router can take it."""
+    """Kill the router and its workers (they would die with it, their owner, a little
+    later); returns whether a router ran. Waits until their names are free, so a new router
+    and its workers can take them."""
     import ray
 
     router = find_router(name)
     if router is None:
         return False
     ray.kill(router, no_restart=True)
+    for w in worker_names(name):
+        try:
+            ray.kill(ray.get_actor(w, namespace=NAMESPACE), no_restart=True)
+        except ValueError:  # gone meanwhile
+            pass
     deadline = time.monotonic() + NAME_FREE_TIMEOUT_S
-    while find_router(name) is not None:
+    while find_router(name) is not None or worker_names(name):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the killed router's name {name!r} was not released")
+            raise TimeoutError(f"the killed router {name!r} or its workers' names were not "
+                               "released")
         time.sleep(0.2)
     return True
+
+
+def worker_names(router_name: str = ROUTER_NAME) -> list[str]:
+    """Names of the live worker actors of the router `router_name`."""
+    from ray.util import list_named_actors
+
+    prefix = worker_actor_name(router_name, 0).removesuffix("0")
+    return sorted(a["name"] for a in list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+                  and a["name"][len(prefix):].isdigit())

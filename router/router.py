@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ROUTER_NAME = "kvserve-router"
 NAMESPACE = "kvserve"
+WORKER_NAME_WAIT_S = 60.0  # how long a dead predecessor's worker name may take to be released
 RESIZE_DRAIN_TIMEOUT_S = 600.0  # a worker removed by a resize has this long to hand over
 PENDING_TTL_S = 5.0  # how long a just-routed prompt counts as held before a poll confirms it
 SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection only
@@ -57,13 +58,30 @@ class RouterActor:
         # from a release that never came
         self._reconciled: OrderedDict[str, float] = OrderedDict()
 
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column and log prefix
+        return (f"RouterActor({_own_name() or 'unnamed'}, model={self.cfg.model_name}, "
+                f"workers={self.cfg.num_workers}, policy={self.cfg.routing_policy})")
+
     def _start_worker(self, i: int) -> Any:
         engine = self.cfg.worker_engine(available_cores())
-        return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
-                             self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
-                             stream_interval_ms=self.cfg.stream_interval_ms,
-                             model_name=self.cfg.model_name,
-                             reporter=_own_handle())  # the workers report start-up progress here
+        own = _own_name()
+        name = worker_actor_name(own, i) if own else None
+        deadline = time.monotonic() + WORKER_NAME_WAIT_S
+        while True:
+            try:
+                return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
+                                     self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
+                                     name=name, namespace=NAMESPACE,
+                                     stream_interval_ms=self.cfg.stream_interval_ms,
+                                     model_name=self.cfg.model_name,
+                                     reporter=_own_handle())  # start-up progress comes here
+            except ValueError as e:
+                # the name is still held by the worker of a router that just died (this
+                # one's previous incarnation, or one replaced): Ray ends it, as its owner is gone
+                if "already taken" not in str(e) or time.monotonic() > deadline:
+                    raise
+                log.warning("router: worker name %s is still taken; waiting for it", name)
+                time.sleep(0.5)
 
     def _serving(self) -> list[int]:
         """Workers that are neither drained (stopped) nor draining."""
@@ -322,6 +340,23 @@ class RouterActor:
                 for v in self.views
             ],
         }
+
+
+def worker_actor_name(router_name: str, idx: int) -> str:
+    """The Ray actor name of a router's worker `idx`: "kvserve-worker-0" for the router
+    "kvserve-router" (another router's workers take their names from it)."""
+    base = router_name.removesuffix("-router")
+    return f"{base}-worker-{idx}"
+
+
+def _own_name() -> str:
+    """This actor's name ("" outside Ray or unnamed)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_actor_name() or ""
+    except Exception:
+        return ""
 
 
 def _own_handle() -> Any:

@@ -143,6 +143,12 @@ def test_wheel_installs_every_subpackage(tmp_path):
         assert os.path.isfile(os.path.join(os.path.dirname(k.__file__), "csrc", "paged_decode.c"))
         import kvserve.deploy as d
         assert os.path.isfile(os.path.join(os.path.dirname(d.__file__), "serve_config.yaml"))
+        # the Grafana dashboard ships as the chart's own file, read from the package
+        from kvserve.deploy.grafana import dashboard_json
+        import kvserve
+        shipped = os.path.join(os.path.dirname(kvserve.__file__), "dashboards", "kvserve.json")
+        assert os.path.isfile(shipped)
+        assert dashboard_json() == open({str(ROOT / "helm" / "kvserve" / "dashboards" / "kvserve.json")!r}, "rb").read()
     """)
     env = {**os.environ, "PYTHONPATH": str(target)}
     r = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True,

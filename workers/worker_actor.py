@@ -124,12 +124,22 @@ class WorkerActor(StreamMoves, TokenBatches):
         self.engine = AsyncLLMEngine(self.config, engine)
         self.load_s = time.monotonic() - t0
         self._report("ready", self.load_s)
-        self.metrics = WorkerMetrics(model_name or served_name(self.config.model), worker_id)
+        self.model_name = model_name or served_name(self.config.model)
+        self.metrics = WorkerMetrics(self.model_name, worker_id)
         self._requests: dict[str, _Request] = {}
         self._subs: dict[str, Subscription] = {}
         self._gauges: dict[str, Any] = {}
         self._metrics_task: asyncio.Task | None = None
         self.served = 0
+
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column and log prefix
+        config = getattr(self, "config", None)
+        device = config.resolved_device() if config is not None else "?"
+        gpus = _gpu_ids()
+        if gpus:
+            device += f" (GPU {','.join(gpus)})"
+        model = getattr(self, "model_name", "?")
+        return f"WorkerActor({getattr(self, 'worker_id', '?')}, model={model}, device={device})"
 
     def _report(self, state: str, load_s: float) -> None:
         log.info("%s: %s (device %s%s)", self.worker_id, state, self.config.resolved_device(),
@@ -334,6 +344,14 @@ class WorkerActor(StreamMoves, TokenBatches):
             await asyncio.sleep(METRICS_PERIOD_S)
 
 
+def _gpu_ids() -> list[str]:
+    """The GPUs Ray gave this actor (none outside Ray or on CPU)."""
+    try:
+        return [str(g) for g in ray.get_gpu_ids()]
+    except Exception:
+        return []
+
+
 def _log_info_in_actor() -> None:
     """Ray leaves an actor's Python logging at WARNING: give kvserve's INFO lines (start-up
     progress, CUDA-graph captures) a handler, written to the worker's log (.err)."""
@@ -357,12 +375,17 @@ def create_worker(
     stream_interval_ms: float | None = None,
     model_name: str = "",
     reporter: Any = None,
+    namespace: str | None = None,
 ) -> Any:
     """Start a worker actor that Ray restarts (fresh engine) whenever it dies. This returns
     at once: Ray starts several workers' processes and model loads side by side. With
     `num_gpus` (a fraction lets workers share a GPU) Ray gives the actor its GPU through
-    CUDA_VISIBLE_DEVICES, and the engine's device "cuda" is that GPU."""
-    return ray.remote(WorkerActor).options(**worker_options(num_cpus, num_gpus, name)).remote(
+    CUDA_VISIBLE_DEVICES, and the engine's device "cuda" is that GPU. A `name` (in
+    `namespace`) stays the actor's across its restarts."""
+    opts = worker_options(num_cpus, num_gpus, name)
+    if name and namespace:
+        opts["namespace"] = namespace
+    return ray.remote(WorkerActor).options(**opts).remote(
         worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter)
 
 

@@ -96,13 +96,18 @@ def test_router_is_reused_for_its_config_replaced_for_another_and_killed(serve_a
     import ray
 
     from kvserve.router.lifecycle import find_router, get_or_create_router, kill_router
+    from kvserve.router.lifecycle import worker_names as names
+    from kvserve.router.router import NAMESPACE
 
     name = "kvserve-router-lifetime-test"
+    w0 = f"{name}-worker-0"  # its worker's Ray actor name
     cfg = dataclasses.replace(serve_app.config.router_config(), num_workers=1)
     first = get_or_create_router(cfg, name=name)
     try:
         ray.get(first.ready.remote(), timeout=600)
         worker = ray.get(first.workers.remote())[0]
+        assert names(name) == [w0]
+        assert ray.get_actor(w0, namespace=NAMESPACE)._actor_id == worker._actor_id
         same = get_or_create_router(dataclasses.replace(cfg), name=name)
         assert same._actor_id == first._actor_id
 
@@ -118,14 +123,17 @@ def test_router_is_reused_for_its_config_replaced_for_another_and_killed(serve_a
         assert shrunk._actor_id == first._actor_id
         _wait_dead(added[1].info)
         assert ray.get(worker.info.remote())["worker_id"] == "worker-0"
+        assert names(name) == [w0]  # the drained worker's name went with it
 
         other = get_or_create_router(dataclasses.replace(cfg, max_imbalance=7), name=name)
         assert other._actor_id != first._actor_id
         _wait_dead(first.config_digest, worker.info)  # its worker died with it
         ray.get(other.ready.remote(), timeout=600)
         new_worker = ray.get(other.workers.remote())[0]
+        # the new router's worker took the name its predecessor's worker had
+        assert ray.get_actor(w0, namespace=NAMESPACE)._actor_id == new_worker._actor_id
     finally:
         kill_router(name)
-    assert find_router(name) is None
+    assert find_router(name) is None and names(name) == []
     _wait_dead(other.config_digest, new_worker.info)  # neither is left running
     assert serve_app.server_info()["workers"]  # the app's own router was left alone

@@ -95,7 +95,8 @@ def test_killed_worker_is_survived_and_replaced(serve_app):
         by_worker = {f.worker_id: c for f, c in zip(firsts, calls, strict=True)}
         assert set(by_worker) == {"worker-0", "worker-1"}
         victim_id = "worker-0"
-        ray.kill(_worker(serve_app, victim_id), no_restart=False)
+        victim = _worker(serve_app, victim_id)
+        ray.kill(victim, no_restart=False)
 
         # requests arriving now are served (by the survivor, or retried before a first token)
         def short(i: int) -> pb.GenerateResponse:
@@ -121,6 +122,10 @@ def test_killed_worker_is_survived_and_replaced(serve_app):
         _wait_idle(_worker(serve_app, "worker-1"), timeout=300)
     info = {w["worker_id"]: w for w in serve_app.server_info()["workers"]}
     assert info[victim_id]["restarts"] == restarts_before[victim_id] + 1
+    # restarted by Ray, it is the same named actor (the Ray dashboard's, `ray.get_actor`'s)
+    named = ray.get_actor("kvserve-worker-0", namespace="kvserve")
+    assert named._actor_id == victim._actor_id
+    assert ray.get(named.info.remote())["worker_id"] == victim_id
     assert ray.get(_worker(serve_app, victim_id).stats.remote())["running"] == 0
 
     stop = threading.Event()
