@@ -92,7 +92,11 @@ def nodes() -> Iterator[Nodes]:
     os.environ["RAY_TMPDIR"] = tmp
     cluster = Cluster()
     try:
-        cluster.add_node(num_cpus=0, include_dashboard=False, _system_config=HEALTH)  # the head
+        # the head, without the processes the tests do not use (the autoscaler's monitor,
+        # the log monitor): each one slows the start of the others on a small host, and Ray
+        # gives a node 30 s to register
+        cluster.add_node(num_cpus=0, include_dashboard=False, no_monitor=True,
+                         include_log_monitor=False, _system_config=HEALTH)
         n = Nodes(cluster)
         n.add("a")
         n.add("b")
