@@ -379,7 +379,8 @@ def worker_options(
     Workers spread over the nodes with room for them (Ray's SPREAD), not packed onto the
     first: a node lost then takes as few workers as it can, and each worker gets its node's
     memory bandwidth to itself. A worker whose node died is restarted by the same rule on a
-    node with room, or waits (restarting) until one joins."""
+    node with room, or waits (restarting) until one joins. `scheduling_strategy` replaces
+    the rule for a worker placed otherwise (e.g. in a placement group packed on one node)."""
     return {
         "name": name,
         "num_cpus": num_cpus,
