@@ -257,6 +257,10 @@ class RouterActor:
             try:
                 load = await asyncio.wait_for(self.handles[v.idx].load.remote(), timeout=5.0)
             except Exception:  # dead or restarting: Ray brings it back, a later poll notices
+                load = None
+            if v.idx in self.mover.drained:  # stopped for good while the poll was out
+                return
+            if load is None:
                 v.alive = False
                 self.states[v.idx].lost()
                 return
