@@ -357,17 +357,17 @@ def test_a_node_that_joins_takes_the_lost_worker(nodes, svc):
 
 
 def test_draining_the_worker_on_the_joined_node(nodes, svc):
-    prompts = [svc.tokenize(prompt=f"Chapter {k}: the storm reached the island at") for k in range(3)]
+    prompts = [svc.tokenize(prompt=f"Chapter {k}: the storm reached the island at") for k in range(2)]
     handles = ray.get(svc.router.workers.remote())
     assert _info(svc)["workers"][1]["node_id"] == nodes.by_name["c"].node_id
 
     async def run() -> tuple[list[Result], list[Result], dict[str, Any]]:
         s0 = await _bind(svc, "refs", 0)
-        refs = [await _run(svc, p, 32, s0) for p in prompts]
+        refs = [await _run(svc, p, MOVED, s0) for p in prompts]
         s1 = await _bind(svc, "drained", 1)
-        tasks = [asyncio.create_task(_run(svc, p, 32, s1)) for p in prompts]
+        tasks = [asyncio.create_task(_run(svc, p, MOVED, s1)) for p in prompts]
 
-        async def all_there() -> bool:  # one running, two queued (one at a time there)
+        async def all_there() -> bool:  # one running, one queued (one at a time there)
             return len(await handles[1].unfinished_ids.remote()) == len(prompts)
 
         await _until("the streams on worker 1", all_there)
@@ -376,6 +376,7 @@ def test_draining_the_worker_on_the_joined_node(nodes, svc):
 
     refs, got, drained = asyncio.run(run())
     assert drained["drained"] and drained["worker_id"] == "worker-1", drained
+    assert drained["streams_moved"] == len(prompts), drained
     assert [r.token_ids for r in got] == [r.token_ids for r in refs]
     assert all(r.worker_id == "worker-0" for r in got)
     info = _info(svc)["workers"]
