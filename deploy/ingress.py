@@ -18,6 +18,7 @@ from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_api import GrpcFrontend
 from kvserve.deploy.service import Service
 from kvserve.deploy.shutdown import ShutdownWatch
+from kvserve.router.lifecycle import ON_HEAD
 
 app = FastAPI(title="kvserve", description="OpenAI-compatible API of kvserve")
 app.add_middleware(limits.BodyLimit)
@@ -52,7 +53,11 @@ async def _auth(request: Request, call_next: Any) -> Any:
     return await call_next(request)
 
 
-@serve.deployment(name="KVServeIngress", ray_actor_options={"num_cpus": 0},
+# On the head, beside the router and Serve's controller (and the proxies, HeadOnly in the
+# Helm chart): a worker node that is lost must not take the replica, and with it the streams
+# it relays from the workers of every other node.
+@serve.deployment(name="KVServeIngress",
+                  ray_actor_options={"num_cpus": 0, "resources": ON_HEAD},
                   max_ongoing_requests=1000)
 @serve.ingress(app)
 class KVServeIngress(GrpcFrontend):

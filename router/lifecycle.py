@@ -21,6 +21,10 @@ from kvserve.router.router import NAMESPACE, ROUTER_NAME, RouterActor, worker_ac
 log = logging.getLogger(__name__)
 
 NAME_FREE_TIMEOUT_S = 60.0  # how long a killed router's name may take to be released
+# The router runs on the head node, which lives as long as the cluster: on a worker node
+# that is lost (scaled down, pre-empted) it would die, and its restart would start new
+# workers, dropping every stream and cache. Ray gives every head node this resource.
+ON_HEAD = {"node:__internal_head__": 0.001}
 
 
 def find_router(name: str = ROUTER_NAME) -> Any | None:
@@ -57,7 +61,7 @@ def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -
         kill_router(name)
     return ray.remote(RouterActor).options(
         name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_restarts=-1, max_concurrency=1000,
+        num_cpus=0, max_restarts=-1, max_concurrency=1000, resources=ON_HEAD,
     ).remote(router_config.to_dict())
 
 

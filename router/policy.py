@@ -34,6 +34,7 @@ class WorkerView:
     # hashes of prompts just routed here, held "soon" (before the next poll sees them)
     pending: dict[int, float] = field(default_factory=dict)
     incarnation: str = ""
+    node_id: str = ""  # the Ray node the worker's current incarnation runs on
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 

@@ -14,6 +14,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
 from kvserve.router.metrics import RouterMetrics
@@ -91,13 +93,29 @@ class RouterActor:
     # ---- setup ------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
         """Wait until every serving worker has loaded its model; start polling. Returns
-        model info. (A draining worker may stop meanwhile: it is not waited for.)"""
+        model info. (A draining worker may stop meanwhile: it is not waited for.)
+
+        A worker being restarted is not waited for: Ray fails calls to it at once, and it
+        may wait for a node with room for a long time (its node was lost); the polls
+        notice it back. A worker that is starting for the first time is waited for."""
         live = self._serving()
-        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live))
+        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live),
+                                     return_exceptions=True)
+        answered = []
         for i, info in zip(live, infos, strict=True):
-            self.views[i].alive, self.views[i].incarnation = True, info["incarnation"]
+            if isinstance(info, BaseException):
+                if not isinstance(info, RayActorError):
+                    raise info
+                self.views[i].alive = False
+                self.states[i].lost()
+                continue
+            v = self.views[i]
+            v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
             self.states[i].ready(info.get("load_s", 0.0))
-        self._info = infos[0]
+            answered.append(info)
+        if not answered and self._info is None:
+            raise next(e for e in infos if isinstance(e, BaseException))
+        self._info = self._info or answered[0]
         await self._poll_once()
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
@@ -257,6 +275,10 @@ class RouterActor:
             try:
                 load = await asyncio.wait_for(self.handles[v.idx].load.remote(), timeout=5.0)
             except Exception:  # dead or restarting: Ray brings it back, a later poll notices
+                load = None
+            if v.idx in self.mover.drained:  # stopped for good while the poll was out
+                return
+            if load is None:
                 v.alive = False
                 self.states[v.idx].lost()
                 return
@@ -272,8 +294,10 @@ class RouterActor:
             # a replaced worker starts with an empty cache: forget its sessions and prefixes
             if v.incarnation:
                 v.restarts += 1
-                log.warning("worker %s was restarted (%d restarts)", v.worker_id, v.restarts)
+                log.warning("worker %s was restarted (%d restarts), on node %s", v.worker_id,
+                            v.restarts, load.get("node_id", "?"))
             v.incarnation = load["incarnation"]
+            v.node_id = load.get("node_id", "")
             v.pending.clear()
             for s in [s for s, i in self.sessions.items() if i == v.idx]:
                 del self.sessions[s]
@@ -326,10 +350,12 @@ class RouterActor:
     def server_info(self) -> dict[str, Any]:
         return {
             "routing_policy": self.policy.name,
+            "node_id": _own_node(),  # the router's Ray node (the head, see lifecycle.py)
             "model_info": self._info,
             "slot_grace_s": self.cfg.slot_grace_s,
             "workers": [
-                {"idx": v.idx, "worker_id": v.worker_id, "alive": v.alive, "inflight": v.inflight,
+                {"idx": v.idx, "worker_id": v.worker_id, "node_id": v.node_id,
+                 "alive": v.alive, "inflight": v.inflight,
                  "running": v.running, "waiting": v.waiting, "parked": v.parked,
                  "kv_blocks_free": v.kv_blocks_free, "kv_blocks_total": v.kv_blocks_total,
                  "held_device_blocks": len(v.held_device), "held_host_blocks": len(v.held_host),
@@ -357,6 +383,13 @@ def _own_name() -> str:
         return ray.get_runtime_context().get_actor_name() or ""
     except Exception:
         return ""
+
+
+def _own_node() -> str:
+    """The Ray node this actor runs on ("" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
 def _own_handle() -> Any:

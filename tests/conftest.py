@@ -15,6 +15,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `own_ray_cluster` start a Ray cluster of their own, which cannot share
+    this process with the session's Ray (`serve_app`): they run first, before any test
+    starts that one (the sort is stable: the order is kept otherwise)."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)
+
+
 @pytest.fixture(scope="session")
 def smol_path() -> str:
     from kvserve.models import default_model

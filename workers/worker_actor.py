@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # steps produced meanwhile coalesce into one chunk).
 STREAM_BACKPRESSURE = 1
 METRICS_PERIOD_S = 1.0
+WORKER_PLACEMENT = "SPREAD"  # see worker_options
 PARKED_KEYS = ("parked", "parked_streams", "host_parked_streams", "num_parked")
 
 
@@ -107,6 +108,7 @@ class WorkerActor(StreamMoves, TokenBatches):
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
         # changes on every (re)start: lets the router notice that the actor was replaced
         self.incarnation = uuid.uuid4().hex
+        self.node_id = _node_id()  # the Ray node it runs on (a restart may land elsewhere)
         self.started_at = time.time()
         self.config = EngineConfig(**engine_config)
         self._reporter = reporter
@@ -282,6 +284,7 @@ class WorkerActor(StreamMoves, TokenBatches):
         return {
             "worker_id": self.worker_id,
             "incarnation": self.incarnation,
+            "node_id": self.node_id,
             "running": int(s.get("running", 0)),
             "waiting": int(s.get("waiting", 0)),
             "parked": parked,
@@ -299,6 +302,7 @@ class WorkerActor(StreamMoves, TokenBatches):
         return {
             "worker_id": self.worker_id,
             "incarnation": self.incarnation,
+            "node_id": self.node_id,
             "max_model_len": eng.max_model_len,
             "vocab_size": eng.model_config.vocab_size,
             "block_size": self.config.block_size,
@@ -352,6 +356,11 @@ def _gpu_ids() -> list[str]:
         return []
 
 
+def _node_id() -> str:
+    """The Ray node this process runs on ("" outside Ray: in-process tests)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
 def _log_info_in_actor() -> None:
     """Ray leaves an actor's Python logging at WARNING: give kvserve's INFO lines (start-up
     progress, CUDA-graph captures) a handler, written to the worker's log (.err)."""
@@ -389,8 +398,17 @@ def create_worker(
         worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter)
 
 
-def worker_options(num_cpus: float, num_gpus: float, name: str | None = None) -> dict[str, Any]:
-    """The Ray actor options of a worker."""
+def worker_options(
+    num_cpus: float, num_gpus: float, name: str | None = None,
+    scheduling_strategy: Any = WORKER_PLACEMENT,
+) -> dict[str, Any]:
+    """The Ray actor options of a worker.
+
+    Workers spread over the nodes with room for them (Ray's SPREAD), not packed onto the
+    first: a node lost then takes as few workers as it can, and each worker gets its node's
+    memory bandwidth to itself. A worker whose node died is restarted by the same rule on a
+    node with room, or waits (restarting) until one joins. `scheduling_strategy` replaces
+    the rule for a worker placed otherwise (e.g. in a placement group packed on one node)."""
     return {
         "name": name,
         "num_cpus": num_cpus,
@@ -398,4 +416,5 @@ def worker_options(num_cpus: float, num_gpus: float, name: str | None = None) ->
         "max_restarts": -1,
         "max_task_retries": 0,  # a half-served stream must not be replayed behind the client
         "max_concurrency": 1000,
+        "scheduling_strategy": scheduling_strategy,
     }
