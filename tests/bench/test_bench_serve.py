@@ -250,6 +250,7 @@ def test_end_to_end_against_the_service(serve_app, target, tmp_path, capsys):
     assert json.loads(out.read_text())["runs"][target]["metrics"]["request_goodput"] > 0
 
 
+@pytest.mark.slow
 def test_compare_workers_resizes_its_own_service_between_passes(tmp_path):
     """--compare-workers on CPU, tiny: one worker, then two (each with half the KV and half
     the cores), in a service the bench starts in its own process and Ray (this session's Ray

@@ -14,6 +14,7 @@ def test_chaos_events_parse_and_bad_ones_are_refused():
             parse_chaos(bad, 60)
 
 
+@pytest.mark.slow
 def test_short_soak_with_a_worker_kill(serve_app):
     serve_app.wait_all_alive()
     r = run_soak(serve_app.http_url, serve_app.grpc_target, serve_app.api_key, duration=36,

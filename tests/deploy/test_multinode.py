@@ -52,7 +52,7 @@ from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.service import Result, Service
 from kvserve.router.lifecycle import get_or_create_router, kill_router
 
-pytestmark = pytest.mark.own_ray_cluster
+pytestmark = [pytest.mark.own_ray_cluster, pytest.mark.slow]
 
 NODE_CPUS = 4  # room for every worker on one node: only spreading puts them on two
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 2048, "max_model_len": 512, "max_num_seqs": 8,

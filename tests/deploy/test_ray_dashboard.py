@@ -23,6 +23,8 @@ from serve_process import ServeProcess, http_json, http_text
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
 
+pytestmark = pytest.mark.slow  # the heavy tier (README: the two commands)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DASHBOARD = ROOT / "helm" / "kvserve" / "dashboards" / "kvserve.json"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model's served name

@@ -27,6 +27,8 @@ from kvserve.protos import kvserve_pb2_grpc
 from kvserve.router.router import NAMESPACE
 from kvserve.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # the heavy tier (README: the two commands)
+
 APP = "kvserve-scale"
 ROUTER = "kvserve-router-scale"
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 1024, "max_num_seqs": 16}

@@ -18,6 +18,8 @@ from serve_process import ServeProcess, actors, http_json
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
 
+pytestmark = pytest.mark.slow  # the heavy tier (README: the two commands)
+
 STOP_MARGIN_S = 10.0  # the command returns within shutdown_grace_s + this
 
 

@@ -84,6 +84,7 @@ def test_silu_mul(dtype) -> None:
     torch.testing.assert_close(silu_mul(gu).float(), torch.nn.functional.silu(gate) * up, **TOL[dtype])
 
 
+@pytest.mark.slow
 def test_fused_model_matches_unfused(tmp_path_factory) -> None:
     """The whole tiny model through the fused kernels gives the unfused path's greedy tokens
     (prefill chunks, mixed steps and decode)."""
@@ -103,6 +104,7 @@ def test_fused_model_matches_unfused(tmp_path_factory) -> None:
     assert outs[True] == outs[False]
 
 
+@pytest.mark.slow
 def test_fused_family_matches_unfused(tmp_path_factory) -> None:
     """Gemma 3 through the Triton kernels, fused where its ops fit (q/k norms applied in place
     before the fused RoPE, (1 + w) norms and post-norms, the local and global RoPE tables;
