@@ -85,7 +85,7 @@ def make_moe_model(path: str | os.PathLike[str], variant: str, seed: int = 0) ->
     model = hf_class(variant)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".mlp.gate." in name or name.endswith(".mlp.gate.weight"):
+            if name.endswith(".mlp.gate.weight"):
                 param.copy_(torch.randn_like(param) * 0.3)  # the router
             elif ".experts." in name:
                 param.copy_(torch.randn_like(param) * 0.15)
@@ -136,9 +136,10 @@ def _gguf_tensors(state: dict[str, torch.Tensor], f: int) -> dict[str, np.ndarra
 
 
 def write_moe_gguf(path: str | os.PathLike[str], hf_dir: str, variant: str,
-                   qtype: Any = None) -> str:
+                   qtype: Any = None, tokenizer: bool = True) -> str:
     """Convert the tiny HF model in `hf_dir` to a GGUF with llama.cpp's names and keys; `qtype`
-    quantizes the 2-D and 3-D weights (gguf.GGMLQuantizationType; float32 by default)."""
+    quantizes the 2-D and 3-D weights (gguf.GGMLQuantizationType; float32 by default);
+    `tokenizer=False` leaves the tokenizer out (a file only the loader reads)."""
     import gguf
 
     arch = arch_of(variant)
@@ -170,7 +171,7 @@ def write_moe_gguf(path: str | os.PathLike[str], hf_dir: str, variant: str,
             writer.add_expert_weights_norm(False)
     writer.add_bos_token_id(hc.bos_token_id)
     writer.add_eos_token_id(hc.eos_token_id)
-    for key, value in _tokenizer_fields().items():
+    for key, value in (_tokenizer_fields() if tokenizer else {}).items():
         if key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
             continue
         if isinstance(value, list):
@@ -181,7 +182,8 @@ def write_moe_gguf(path: str | os.PathLike[str], hf_dir: str, variant: str,
             writer.add_uint32(key, value)
         else:
             writer.add_string(key, value)
-    writer.add_chat_template(chat_template(variant))
+    if tokenizer:
+        writer.add_chat_template(chat_template(variant))
 
     state = model.state_dict()
     if hc.tie_word_embeddings:
