@@ -19,6 +19,7 @@ LAYERS = [
     "kvserve.router",
     "kvserve.workers",  # the worker actor and stream pacing, on top of its subpackages
     "kvserve.workers.engine",
+    "kvserve.workers.structured",  # grammars of structured outputs, masks on the logits
     "kvserve.workers.model",
     "kvserve.workers.loading",
     "kvserve.kvcache",

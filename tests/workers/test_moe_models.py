@@ -264,3 +264,19 @@ def test_snapshot_moves_an_moe_stream(built: _Built) -> None:
     assert [o.token_ids for o in done] == [built.reference("mixtral")[1]]
     stats = dst.stats()
     assert stats["tokens_restored_copy"] > 0 and stats["tokens_recomputed"] == 0, stats
+
+
+def test_roofline_counts_each_expert_once(built: _Built) -> None:
+    """The decode roofline's weight bytes hold every expert's weights and the router once (the
+    stacked tensors and the per-expert views of them) and the dense layer's MLP: transformers'
+    parameters less the embedding table, from either format."""
+    from kvserve.bench.roofline import weight_bytes
+    from kvserve.workers.model.models.registry import build_model
+
+    hf_dir, gguf_path = built.paths_of("qwen3_moe_dense")
+    params = hf_class("qwen3_moe_dense").from_pretrained(hf_dir, dtype=torch.float32).named_parameters()
+    want = 4 * sum(p.numel() for name, p in params if "embed_tokens" not in name)
+    for path in (hf_dir, gguf_path):
+        m = load_model(path)
+        model = build_model(m.config, m.weights, torch.device("cpu"), torch.float32, 64, m.quantized)
+        assert weight_bytes(model) == want

@@ -14,7 +14,7 @@ from tiny_models import make_tiny_hf_model
 
 from kvserve import LLM, SamplingParams
 
-WINDOW, BS, NEW = 16, 4, 24
+WINDOW, BS, NEW = 16, 4, 12
 
 
 @pytest.fixture(scope="module")

@@ -104,16 +104,14 @@ def test_torch_backend(kernel: bool, bs: int) -> None:
     _check(attn, bs)
 
 
-@pytest.mark.parametrize("bs", [4, 16])
-def test_triton_backend(bs: int) -> None:
+def test_triton_backend() -> None:
     pytest.importorskip("triton", reason="triton is in the test extra")
     from kvserve.workers.model.attention_triton import TritonAttention
 
-    _check(TritonAttention(), bs)
+    _check(TritonAttention(), 4)
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-def test_triton_decode_splits_with_window(splits: int) -> None:
+def test_triton_decode_splits_with_window() -> None:
     """Split-key decode starts its splits at the window: long streams, a window of 100."""
     pytest.importorskip("triton", reason="triton is in the test extra")
     from kvserve.workers.model.triton_paged_attention import paged_attention
@@ -134,7 +132,7 @@ def test_triton_decode_splits_with_window(splits: int) -> None:
     tiles = torch.tensor([list(range(len(lens))), list(range(len(lens))), [1] * len(lens),
                           [n - 1 for n in lens]])
     out = paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE),
-                          tiles.to(DEVICE), 1, splits=splits, scale=0.3, window=window)
+                          tiles.to(DEVICE), 1, splits=4, scale=0.3, window=window)
     for i, n in enumerate(lens):
         idx = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for p in range(max(0, n - window), n)])
         ks = kc.reshape(-1, hkv, d)[idx].double().repeat_interleave(hq // hkv, 1)

@@ -13,12 +13,14 @@ from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.workers.engine import constraints
 from kvserve.workers.engine.sampler import Sampler, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
 from kvserve.workers.model.runner import DTYPES, ModelRunner, Progress
+from kvserve.workers.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ class LLMEngine:
             config.max_evictions_per_request,
         )
         self.sampler = Sampler(config.seed)
+        # structured outputs: the grammar engine and its compiled-grammar cache, made on the
+        # first constrained request
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._ids = itertools.count()
@@ -99,14 +104,23 @@ class LLMEngine:
                 f"blocks; the cache holds {self.kv.num_blocks} "
                 f"(kv_cache_tokens={self.config.kv_cache_tokens})"
             )
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}, outside "
+                                      f"the vocabulary (0..{vocab - 1})")
+        # compiled here, off the step thread (cached by the spec's text)
+        grammar = self.grammars.state(params.structured) if params.structured else None
         gen = make_generator(params.seed, self.runner.device)
         # a stream can never outgrow the pool: cap its length there (finish "length")
         cap = self.max_model_len
         if window is None:
             cap = min(cap, self.kv.num_blocks * self.kv.block_size)
-        return Sequence(
+        seq = Sequence(
             request_id, text, ids, params, self.tokenizer, gen, cap, next(self._arrival), priority
         )
+        if grammar is not None:
+            seq.grammar, seq.guided = grammar, True
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
@@ -155,6 +169,7 @@ class LLMEngine:
         rows: list[int] = []
         sample_seqs: list[Sequence] = []
         computed = 0
+        guided = False
         for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
             computed += p.target - p.start
             if p.is_new:
@@ -162,11 +177,14 @@ class LLMEngine:
             if p.target == len(s.prompt_ids) + len(s.output_ids):
                 rows.append(i)
                 sample_seqs.append(s)
+                guided = guided or s.guided
         self.prompt_tokens_computed += computed
         outputs: list[RequestOutput] = []
         if not rows:
             return outputs
         sel = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
+        if guided:  # logit_bias and grammar masks, on the constrained rows only
+            constraints.apply(sel, sample_seqs, self.grammars)
         res = self.sampler(
             sel,
             [s.params for s in sample_seqs],
@@ -178,6 +196,8 @@ class LLMEngine:
         lps, tops = res.logprobs, res.top_logprobs
         finished: list[Sequence] = []
         done = Status.FINISHED
+        if guided:
+            constraints.accept(sample_seqs, res.token_ids)
         for j, (s, tok) in enumerate(zip(sample_seqs, res.token_ids, strict=True)):
             s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
             if s.status is done:
@@ -263,6 +283,7 @@ class LLMEngine:
             "restored_bytes": host.copier.blocks["in"] * bpb if host else 0,
             "copy_seconds_d2h": host.copier.seconds["out"] if host else 0.0,
             "copy_seconds_h2d": host.copier.seconds["in"] if host else 0.0,
+            **self.grammars.stats(),
         }
 
     def held_block_hashes(self) -> dict[str, list[int]]:

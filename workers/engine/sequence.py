@@ -11,6 +11,7 @@ from kvserve.kvcache.host_cache import ParkedKV
 from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.workers.structured.state import GrammarState
 
 
 class Status(enum.Enum):
@@ -61,6 +62,10 @@ class Sequence:
         )
         # the longest stop string minus one char: text that may still become a stop match
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        # a structured output's grammar state (set by the engine); with logit_bias, the
+        # stream's logits are touched before sampling (`guided`)
+        self.grammar: GrammarState | None = None
+        self.guided = params.logit_bias is not None
 
     @property
     def max_len(self) -> int:

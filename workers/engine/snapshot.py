@@ -123,6 +123,8 @@ def _restore_sequence(seq: Sequence, r: dict[str, Any]) -> None:
     seq.output_ids = list(r["output_ids"])
     if seq.output_ids:
         seq.detok.step(seq.output_ids)  # bring the detokenizer's window to the same place
+        if seq.grammar is not None:  # and the grammar to where the output left it
+            seq.grammar.replay(seq.output_ids)
     seq.text = r["text"]
     seq.emitted = r["emitted"]
     seq.logprobs = r["logprobs"]

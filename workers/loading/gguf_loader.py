@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from typing import Any
 
 import gguf
@@ -29,7 +30,8 @@ from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
 # models as "llama"; both use the same (permuted) Q/K layout.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
                   "qwen3moe": "qwen3_moe"}  # Mixtral: "llama" with experts (gguf_moe.py)
 # llama.cpp's converter interleaves the rotary halves of Q and K for these (the archs whose
 # llama.cpp RoPE is the "normal", pairwise one); the NEOX-RoPE archs keep HF's order.
@@ -69,6 +71,31 @@ class _CheckedReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._mapped = value.view(np.ndarray)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        # GGUFReader slices the map once per array element: seconds for a vocabulary (token
+        # types, ~50k strings and as many merges). A scalar array becomes one part (its
+        # contents() are the same list); a long string array (vocabulary, merges), which the
+        # loader never reads beyond its length, is stepped over with struct and kept as one
+        # opaque byte part (its contents() are empty).
+        arr = gguf.GGUFValueType.ARRAY
+        if raw_type != arr or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        item = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        n = int(count[0])
+        item_type = gguf.GGUFValueType(int(item[0]))
+        scalar = self.gguf_scalar_to_np.get(item_type)
+        if scalar is not None:
+            values = self._get(orig_offs + 12, scalar, n)
+            return 12 + int(values.nbytes), [item, count, values], [2], [arr, item_type]
+        if item_type != gguf.GGUFValueType.STRING or n < 1024:  # short lists: read as usual
+            return super()._get_field_parts(orig_offs, raw_type)
+        buf, at = self._mapped, orig_offs + 12
+        for _ in range(n):
+            at += 8 + struct.unpack_from("<Q", buf, at)[0]
+        blob = self._get(orig_offs + 12, np.uint8, at - orig_offs - 12)
+        return at - orig_offs, [item, count, blob], [], [arr, item_type]
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         file_size = len(self.data)
@@ -218,8 +245,8 @@ def _config_from_metadata(
     vocab_size = meta("vocab_size", int, None)
     if vocab_size is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
-        if tokens is not None:
-            vocab_size = len(tokens.data)
+        if tokens is not None:  # read as [key parts..., item type, count, bytes]
+            vocab_size = int(tokens.parts[-2][0])
         elif "token_embd.weight" in tensors:
             vocab_size = _torch_shape(tensors["token_embd.weight"])[0]
         else:
