@@ -244,10 +244,13 @@ def test_missing_expert_is_named(built: _Built, tmp_path) -> None:
         load_model(str(broken))
 
 
-def test_snapshot_moves_an_moe_stream(built: _Built) -> None:
+def test_snapshot_moves_an_moe_stream(built: _Built, tmp_path) -> None:
     """A Mixtral stream exported mid-generation from the HF directory's engine resumes in an
     engine of the same model loaded from its GGUF, from its copied KV, with the tokens
-    transformers gives."""
+    transformers gives. A Llama engine of the same KV geometry refuses a Mixtral snapshot,
+    though llama.cpp names both `llama`."""
+    from tiny_models import make_tiny_hf_model
+
     hf_dir, gguf_path = built.paths_of("mixtral")
     src = LLM(hf_dir, kv_cache_tokens=64 * BS, block_size=BS, host_cache_gib=0.001,
               dtype="float32").engine
@@ -264,6 +267,16 @@ def test_snapshot_moves_an_moe_stream(built: _Built) -> None:
     assert [o.token_ids for o in done] == [built.reference("mixtral")[1]]
     stats = dst.stats()
     assert stats["tokens_restored_copy"] > 0 and stats["tokens_recomputed"] == 0, stats
+
+    cfg = dst.model_config
+    llama = LLM(make_tiny_hf_model(tmp_path / "llama", "llama", num_hidden_layers=cfg.num_layers,
+                                   num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
+                kv_cache_tokens=64 * BS, block_size=BS, host_cache_gib=0.001).engine
+    dst.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=NEW), "m")
+    dst.step()
+    with pytest.raises(InvalidRequestError, match="'architecture': 'mixtral'"):
+        llama.import_stream(dst.export_stream("m"))
+    assert not llama.has_unfinished() and llama.stats()["host_blocks_used"] == 0
 
 
 def test_roofline_counts_each_expert_once(built: _Built) -> None:
