@@ -36,19 +36,26 @@ def weight_bytes(model: Any) -> int:
     """Bytes of the weights one decode step reads: every tensor of every layer (norms,
     attention, MLP or experts, biases), the final norm and the LM head (the embedding
     table is only indexed, a row per token)."""
-    seen: dict[int, torch.Tensor] = {}
-    _collect_tensors([model.norm, model.lm_head, *model.layers], seen, set())
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    spans: list[tuple[int, int]] = []
+    _collect_tensors([model.norm, model.lm_head, *model.layers], spans, set())
+    # the union of the address ranges: a tied head, or an MoE block's stacked experts and
+    # the per-expert views of them, count once whichever is reached first
+    total, end = 0, 0
+    for lo, hi in sorted(spans):
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
 
 
-def _collect_tensors(obj: Any, seen: dict[int, torch.Tensor], visited: set[int]) -> None:
-    """The tensors reachable from `obj`'s attributes, each storage counted once."""
+def _collect_tensors(obj: Any, spans: list[tuple[int, int]], visited: set[int]) -> None:
+    """The address ranges of the tensors reachable from `obj`'s attributes."""
     from kvserve.workers.model.layers.rope import RotaryEmbedding
     from kvserve.workers.model.quant_linear import Linear
 
     if isinstance(obj, torch.Tensor):
         if obj.numel():
-            seen.setdefault(obj.untyped_storage().data_ptr(), obj)
+            extent = 1 + sum((n - 1) * st for n, st in zip(obj.shape, obj.stride(), strict=True))
+            spans.append((obj.data_ptr(), obj.data_ptr() + extent * obj.element_size()))
         return
     if id(obj) in visited or isinstance(obj, RotaryEmbedding):  # rope tables are not weights
         return
@@ -64,7 +71,7 @@ def _collect_tensors(obj: Any, seen: dict[int, torch.Tensor], visited: set[int])
     else:
         return
     for item in items:
-        _collect_tensors(item, seen, visited)
+        _collect_tensors(item, spans, visited)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

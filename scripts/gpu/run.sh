@@ -17,6 +17,8 @@
 # `wheels` joins ray's two parts and installs every wheel with one `pip install --target
 # /tmp/site`; later steps and calls on that machine find /tmp/site and put it on PYTHONPATH.
 # Each of these steps stays under a device call's 10 minutes.
+# MoE (step moe): GPU_SHARED=.gpu bash scripts/gpu/run.sh moe  (the fused-MoE kernels' tests,
+# the kernels vs the grouped torch path, a 5B Qwen3-MoE's decode vs transformers; ~10 min).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
@@ -59,6 +61,13 @@ workers)  # two workers sharing the GPU (0.5 each, half the KV each) vs one with
     --gpus-per-worker 0.5 --target grpc --max-concurrency 256 $SERVE_LOAD --rounds 2 \
     --save-result "$OUT/serve_workers.json"
   grep -E "^=== |^rc=|^[0-9] +[12] worker|worker.*medians|starting the service|resized" "$OUT/workers.log" ;;
+moe)  # Qwen3-MoE, random weights (make_moe_models.py q3moe: 5.2B, 64 experts, top-8): the
+  # fused-MoE kernels on the GPU, against the grouped torch path, and decode B=1/64 vs transformers
+  python3 scripts/gpu/make_moe_models.py "$M" "$G/tokenizer" q3moe 2>&1 | grep ready
+  run moe moetests 300 python3 -m pytest -q -p no:cacheprovider tests/workers/test_triton_moe.py
+  run moe kernels 300 python3 scripts/gpu/moe_kernels.py
+  run moe decode 500 python3 scripts/gpu/moe_decode.py $M/q3moe
+  grep -E "^=== |^rc=|passed|failed|^== |^ +[0-9]+ |^kvserve|^transformers|^B=" "$OUT/moe.log" ;;
 tests) run tests tests 300 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -p no:cacheprovider \
   tests/workers/test_cuda_path.py tests/workers/test_cuda_graphs.py tests/workers/test_triton_attention.py tests/workers/test_triton_fused.py
   tail -4 "$OUT/tests.log" ;;

@@ -38,6 +38,24 @@ def test_weight_bytes_count_every_layer_and_the_head(tmp_path_factory) -> None:
     assert weight_bytes(runner.model) == 4 * (c.num_layers * per_layer + h + c.vocab_size * h)
 
 
+def test_weight_bytes_count_shared_storage_once() -> None:
+    """Stacked experts and the per-expert views of them (an MoE block's layout), reached in
+    either order, and a head tied to a layer's tensor, count once; a neighbouring slice of
+    one buffer counts as its own bytes."""
+    from types import SimpleNamespace
+
+    from kvserve.workers.model.quant_linear import Linear
+
+    w13, w2 = torch.zeros(4, 6, 8), torch.zeros(4, 8, 3)
+    experts = [SimpleNamespace(gate_up=Linear(w13[e]), down=Linear(w2[e])) for e in range(4)]
+    buf = torch.zeros(10)
+    for order in (["w13", "w2", "experts"], ["experts", "w13", "w2"]):
+        moe = {"experts": experts, "w13": w13, "w2": w2}
+        layer = SimpleNamespace(mlp=SimpleNamespace(**{k: moe[k] for k in order}), n=buf[:4])
+        model = SimpleNamespace(norm=buf[4:], lm_head=Linear(w2[1]), layers=[layer])
+        assert weight_bytes(model) == 4 * (w13.numel() + w2.numel() + buf.numel())
+
+
 def test_batched_table_has_roofline_columns_when_given() -> None:
     row = {"PP": 128, "TG": 32, "B": 8, "N_KV": 1280, "T_PP": 0.1, "S_PP": 10240.0, "T_TG": 0.2,
            "S_TG": 1280.0, "T": 0.3, "S": 4266.0}

@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from kvserve.errors import ModelLoadError
+from kvserve.workers.loading.gguf_moe import expert_rows, moe_architecture, moe_fields
 from kvserve.workers.loading.loader import (
     LoadedModel,
     check_weight_shapes,
@@ -30,7 +31,8 @@ from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
 # models as "llama"; both use the same (permuted) Q/K layout.
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+                  "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+                  "qwen3moe": "qwen3_moe"}  # Mixtral: "llama" with experts (gguf_moe.py)
 # llama.cpp's converter interleaves the rotary halves of Q and K for these (the archs whose
 # llama.cpp RoPE is the "normal", pairwise one); the NEOX-RoPE archs keep HF's order.
 _PERMUTED_QK = {"llama", "mistral"}
@@ -155,7 +157,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + w: back to HF's w
         weights[hf_name] = torch.from_numpy(array).to(dtype)
         # Only float32 runs (the CPU) use the raw-block kernel; keep the blocks for them.
-        if dtype == torch.float32 and array.ndim == 2 and tensor.tensor_type.name in QTYPES:
+        if dtype == torch.float32 and array.ndim == 3 and tensor.tensor_type.name in QTYPES:
+            raw3 = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # MoE experts
+            quantized.update(expert_rows(hf_name, raw3, tensor.tensor_type.name, array.shape))
+        elif dtype == torch.float32 and array.ndim == 2 and tensor.tensor_type.name in QTYPES:
             raw = np.array(tensor.data, dtype=np.uint8)  # a copy: [rows, row bytes]
             if n_heads:  # rows are independent, so the same row permutation applies
                 raw = np.ascontiguousarray(_unpermute_qk(raw, n_heads))
@@ -270,6 +275,10 @@ def _config_from_metadata(
     if not attention_bias and any(n.endswith((".attn_q.bias", ".attn_k.bias")) for n in tensors):
         raise ModelLoadError(f"{path}: attention biases are not supported for {arch} models")
 
+    moe_arch = moe_architecture(arch, meta("expert_count", int, 0))
+    moe = {} if moe_arch is None else moe_fields(meta, arch, num_layers, tensors,
+                                                 meta("feed_forward_length", int), path)
+
     eos = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         token = _field(reader, path, f"tokenizer.ggml.{key}", int, None)
@@ -277,7 +286,7 @@ def _config_from_metadata(
             eos.append(token)
 
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=moe_arch or _ARCHITECTURES[arch],
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length", int),
@@ -296,7 +305,7 @@ def _config_from_metadata(
         name=_field(reader, path, "general.name", str, None)
         or os.path.splitext(os.path.basename(path))[0],
         hidden_act="gelu_tanh" if gemma else "silu",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         rotary_dim=rope_dim if rope_dim != head_dim else None,
         embed_scale=hidden**0.5 if gemma else None,
         norm_offset=1.0 if gemma else 0.0,
@@ -307,6 +316,7 @@ def _config_from_metadata(
         sliding_window=window,
         layer_types=layer_types,
         rope_local_theta=meta("rope.freq_base_swa", float, 10000.0) if arch == "gemma3" else None,
+        **moe,
     )
 
 
@@ -465,9 +475,12 @@ def _hf_to_gguf_names(expected: dict[str, Any], arch: str, num_layers: int) -> d
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     arch_id = by_name.get(arch, by_name["llama"])  # "mistral": llama.cpp's Llama layout
     tmap = gguf.get_tensor_name_map(arch_id, num_layers)
+    # an MoE arch's map lacks the dense MLP of its mlp_only_layers: Llama's names then
+    dense = gguf.get_tensor_name_map(by_name["llama"], num_layers)
     names = {}
     for hf in expected:
-        g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        g = (tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+             or dense.get_name(hf, try_suffixes=(".weight", ".bias")))
         if g is None:
             raise ModelLoadError(f"the gguf package has no {arch} name for tensor {hf}")
         names[hf] = g

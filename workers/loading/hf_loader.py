@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve.errors import ModelLoadError
+from kvserve.workers.loading.hf_moe import expert_views, moe_fields
 from kvserve.workers.loading.loader import (
     LoadedModel,
     check_weight_shapes,
@@ -29,12 +30,15 @@ _HF_ARCHITECTURES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
 }
 # transformers' defaults for keys a config.json may omit
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
-                          "gemma2": 8192, "gemma3": 131072, "phi3": 4096}
+                          "gemma2": 8192, "gemma3": 131072, "phi3": 4096, "qwen3_moe": 32768,
+                          "mixtral": 131072}
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma2": 4096,
-                           "gemma3": 4096}
+                           "gemma3": 4096, "qwen3_moe": 4096}
 # Gemma: every n-th layer attends globally, the others through the sliding window
 _DEFAULT_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -60,9 +64,15 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
                 owner[key] = source
         where = sources[0].path if len(sources) == 1 else path
         found = {name: owner[name].shape(name) for name in expected if name in owner}
+        # MoE experts stacked from per-expert (or transformers' fused) tensors
+        views = expert_views(config, set(owner), lambda k: owner[k].shape(k), where)
+        found.update({name: v.shape for name, v in views.items() if name not in found})
         check_weight_shapes(found, expected, where)
-        warn_unused([k for k in owner if k not in expected and not _ignorable(k, config)], where)
-        weights = {name: owner[name].get(name).to(dtype) for name in expected}
+        used = set(expected) | {k for v in views.values() for k in v.keys}
+        warn_unused([k for k in owner if k not in used and not _ignorable(k, config)], where)
+        weights = {name: (owner[name].get(name) if name in owner
+                          else views[name].load(lambda k: owner[k].get(k))).to(dtype)
+                   for name in expected}
     return LoadedModel(config=config, weights=weights, path=path)
 
 
@@ -199,7 +209,7 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
         eos_token_ids=eos,
         name=os.path.basename(os.path.normpath(os.path.dirname(source))),
         hidden_act=act,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
         rotary_dim=rotary_dim,
         embed_scale=hidden**0.5 if gemma else None,
         norm_offset=1.0 if gemma else 0.0,
@@ -211,6 +221,7 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
         sliding_window=window,
         layer_types=layer_types,
         rope_local_theta=rope.local_theta,
+        **moe_fields(raw, arch, num_layers, source),
     )
 
 
@@ -277,6 +288,8 @@ def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int,
     if isinstance(types, list):
         if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
             raise ModelLoadError(f"{source}: layer_types {types!r} do not fit {num_layers} layers")
+    elif arch == "qwen3_moe":  # every layer, when asked to
+        types = [SLIDING_ATTENTION if raw.get("use_sliding_window") else FULL_ATTENTION] * num_layers
     elif arch in ("qwen2", "qwen3"):
         # Qwen slides only when asked to, and then only on layers >= max_window_layers
         first = raw.get("max_window_layers", 28)

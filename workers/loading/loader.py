@@ -95,18 +95,34 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        if fused:
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, h)
+        if config.is_moe_layer(i):
+            shapes.update(moe_weight_shapes(config, i))
         else:
-            shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
-            shapes[p + "mlp.up_proj.weight"] = (ffn, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, ffn)
+            if fused:
+                shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, h)
+            else:
+                shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
+                shapes[p + "mlp.up_proj.weight"] = (ffn, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, ffn)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if config.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     return shapes
+
+
+def moe_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's router and stacked experts, under the names both loaders return
+    (Qwen3-MoE's and Mixtral's alike; HF files hold the experts one by one, GGUF stacked)."""
+    p = f"model.layers.{layer}.mlp."
+    e, h, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    return {
+        p + "gate.weight": (e, h),
+        p + "experts.gate_proj.weight": (e, f, h),
+        p + "experts.up_proj.weight": (e, f, h),
+        p + "experts.down_proj.weight": (e, h, f),
+    }
 
 
 def check_weight_shapes(

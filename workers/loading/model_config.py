@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # ModelConfig.architecture values; workers/model/models/registry.py maps each to its family
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                           "qwen3_moe", "mixtral")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -49,6 +50,15 @@ class ModelConfig:
     layer_types: list[str] | None = None
     # RoPE of the sliding layers where it differs from the global one (Gemma 3)
     rope_local_theta: float | None = None
+    # Mixture of Experts (Qwen3-MoE, Mixtral); num_experts 0: every MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size is the dense MLPs'
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers of an MoE model
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.mlp_only_layers
 
     @property
     def rotary_dims(self) -> int:

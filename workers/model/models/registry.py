@@ -15,8 +15,10 @@ from kvserve.workers.model.layers.weights import Weights
 from kvserve.workers.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.workers.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.workers.model.models.llama import LlamaForCausalLM
+from kvserve.workers.model.models.mixtral import MixtralForCausalLM
 from kvserve.workers.model.models.phi3 import Phi3ForCausalLM
 from kvserve.workers.model.models.qwen3 import Qwen3ForCausalLM
+from kvserve.workers.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # (config, weights, device, dtype, max positions) -> model
 FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, int], DecoderModel]] = {
@@ -27,6 +29,8 @@ FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, i
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
