@@ -38,7 +38,7 @@ MAX_TOKENS = 40
 def cluster() -> Iterator[Any]:
     own = not ray.is_initialized()
     if own:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        _start_ray()
     cfg = RouterConfig(num_workers=3, engine=ENGINE, num_cpus_per_worker=0.5,
                        max_imbalance=100, load_poll_interval_s=0.5, engine_overrides={0: TINY},
                        migration={"enabled": False, "park_threshold_s": 0.5,
@@ -51,6 +51,19 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.kill(router)
         if own:
+            ray.shutdown()
+
+
+def _start_ray(tries: int = 3) -> None:
+    """ray.init, tried again when Ray's own start-up wait (a fixed 30 s for the raylet to
+    register) runs out on a heavily loaded machine."""
+    for attempt in range(tries):
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
             ray.shutdown()
 
 
