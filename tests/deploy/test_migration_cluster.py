@@ -54,7 +54,7 @@ def cluster() -> Iterator[Any]:
             ray.shutdown()
 
 
-def _start_ray(tries: int = 3) -> None:
+def _start_ray(tries: int = 5) -> None:
     """ray.init, tried again when Ray's own start-up wait (a fixed 30 s for the raylet to
     register) runs out on a heavily loaded machine."""
     for attempt in range(tries):
