@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import ray
+from serve_fixtures import ray_started
 
 from kvserve.deploy import admin
 from kvserve.deploy.config import ServeConfig
@@ -38,7 +39,7 @@ MAX_TOKENS = 40
 def cluster() -> Iterator[Any]:
     own = not ray.is_initialized()
     if own:
-        _start_ray()
+        ray_started(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     cfg = RouterConfig(num_workers=3, engine=ENGINE, num_cpus_per_worker=0.5,
                        max_imbalance=100, load_poll_interval_s=0.5, engine_overrides={0: TINY},
                        migration={"enabled": False, "park_threshold_s": 0.5,
@@ -51,19 +52,6 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.kill(router)
         if own:
-            ray.shutdown()
-
-
-def _start_ray(tries: int = 5) -> None:
-    """ray.init, tried again when Ray's own start-up wait (a fixed 30 s for the raylet to
-    register) runs out on a heavily loaded machine."""
-    for attempt in range(tries):
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            return
-        except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == tries - 1:
-                raise
             ray.shutdown()
 
 
