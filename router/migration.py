@@ -1,10 +1,13 @@
 """The migration planner: which parked streams move where (pure, no Ray).
 
 A worker whose device KV is full parks streams in its host tier until it has room again.
-When a stream has been parked longer than `park_threshold_s` and another worker has room
-for it (its KV plus `headroom` of that worker's pool left free, no parked streams of its
-own), the oldest such streams move there. Bounded: at most `max_inflight` moves at once,
-and a stream moves at most once per `min_interval_s`.
+When a stream has spent longer than `park_threshold_s` parked (in all, across its
+evictions: see workers/engine/migration.py) and another worker has room for it (its KV
+plus `headroom` of that worker's pool left free, no parked streams of its own), the oldest
+such streams move there. A target's room is what its last poll showed less the blocks of
+moves already headed there that the poll did not see yet. Bounded: at most `max_inflight`
+moves at once, and a stream moves at most once per `min_interval_s` (counted from the end of
+its last move, failed ones included).
 """
 
 from __future__ import annotations
@@ -46,17 +49,21 @@ class Move:
     request_id: str
     src: int
     dst: int
+    blocks: int = 0  # device blocks it takes on `dst`
 
 
 def plan_moves(
     workers: list[WorkerState], cfg: MigrationConfig, moving: set[str],
-    last_moved: dict[str, float], now: float,
+    last_moved: dict[str, float], now: float, reserved: dict[int, int] | None = None,
 ) -> list[Move]:
-    """Moves to start now, oldest parked streams first."""
+    """Moves to start now, oldest parked streams first. `reserved`: device blocks per
+    worker that moves on their way there will take (not in its last poll yet)."""
     budget = cfg.max_inflight - len(moving)
     if not cfg.enabled or budget <= 0:
         return []
+    reserved = reserved or {}
     room = {w.idx: w.kv_blocks_free - int(cfg.headroom * w.kv_blocks_total)
+            - reserved.get(w.idx, 0)
             for w in workers
             if w.alive and not w.draining and not w.parked and w.waiting == 0}
     candidates = sorted(
@@ -77,7 +84,7 @@ def plan_moves(
             continue
         _, dst = max(fits)
         room[dst] -= s.blocks_needed
-        moves.append(Move(s.request_id, src, dst))
+        moves.append(Move(s.request_id, src, dst, s.blocks_needed))
         budget -= 1
     return moves
 

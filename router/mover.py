@@ -26,6 +26,7 @@ from ray.exceptions import RayActorError
 from kvserve.router.metrics import MigrationMetrics
 from kvserve.router.migration import (
     MigrationConfig,
+    Move,
     ParkedStream,
     WorkerState,
     drain_target,
@@ -54,6 +55,9 @@ class StreamMover:
         self.parked: dict[int, list[ParkedStream]] = {}
         self.moving: set[str] = set()
         self.last_moved: dict[str, float] = {}
+        # planned moves' device blocks per request: (target, blocks, when the move ended;
+        # inf while under way), until a poll of the target sent after that has seen them
+        self.incoming: dict[str, tuple[int, int, float]] = {}
         self.draining: set[int] = set()
         self.drained: set[int] = set()
         self.counts: dict[int, Counter[str]] = {v.idx: Counter() for v in views}
@@ -62,11 +66,22 @@ class StreamMover:
         self._drains: dict[int, asyncio.Task] = {}  # drains under way, by worker
 
     # ---- the router's view ------------------------------------------------------------------
-    def observe(self, idx: int, load: dict[str, Any]) -> None:
+    def observe(self, idx: int, load: dict[str, Any], sent_at: float) -> None:
+        """Worker `idx`'s load, asked for at `sent_at`: moves to it that had ended by then
+        show in it (the stream parked there, or its blocks taken)."""
         self.parked[idx] = [
             ParkedStream(p["request_id"], p["parked_s"], p["blocks_needed"], p["kv_bytes"])
             for p in load.get("parked_streams", ())
         ]
+        self.incoming = {r: m for r, m in self.incoming.items()
+                         if not (m[0] == idx and m[2] < sent_at)}
+
+    def reserved(self) -> dict[int, int]:
+        """Device blocks per worker that planned moves to it take beyond its last poll."""
+        out: Counter[int] = Counter()
+        for dst, blocks, _ in self.incoming.values():
+            out[dst] += blocks
+        return dict(out)
 
     def note_session(self, session: str, hashes: list[int]) -> None:
         """Remember the block hashes of a session's latest prompt (to move its prefix)."""
@@ -141,11 +156,23 @@ class StreamMover:
         now = time.monotonic()
         self.last_moved = {r: t for r, t in self.last_moved.items()
                            if now - t < self.cfg.min_interval_s}
-        for m in plan_moves(self.states(), self.cfg, self.moving, self.last_moved, now):
+        for m in plan_moves(self.states(), self.cfg, self.moving, self.last_moved, now,
+                            self.reserved()):
             self.moving.add(m.request_id)  # counted now: the next tick sees it in flight
+            self.incoming[m.request_id] = (m.dst, m.blocks, float("inf"))
             task = asyncio.create_task(self.move(m.request_id, m.src, m.dst))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda t, m=m: self._landed(m, t))
+
+    def _landed(self, m: Move, task: asyncio.Task) -> None:
+        """A planned move ended: its blocks stay reserved on the target until a poll sees
+        them there; a move that failed took nothing there."""
+        ok = not task.cancelled() and task.exception() is None and "error" not in task.result()
+        if ok:
+            self.incoming[m.request_id] = (m.dst, m.blocks, time.monotonic())
+        else:
+            self.incoming.pop(m.request_id, None)
 
     # ---- one move -----------------------------------------------------------------------------
     async def move(self, request_id: str, src: int, dst: int) -> dict[str, Any]:
@@ -158,6 +185,9 @@ class StreamMover:
             return await self._move(request_id, src, dst)
         finally:
             self.moving.discard(request_id)
+            # the interval runs from the move's end: one that failed after a long import
+            # timeout must not be retried by the very next round
+            self.last_moved[request_id] = time.monotonic()
 
     async def _move(self, rid: str, src: int, dst: int) -> dict[str, Any]:
         meta_ref, data_ref = self.handles[src].export_stream.remote(rid)

@@ -272,6 +272,7 @@ class RouterActor:
 
     async def _poll_once(self) -> None:
         async def one(v: WorkerView) -> None:
+            sent_at = time.monotonic()
             try:
                 load = await asyncio.wait_for(self.handles[v.idx].load.remote(), timeout=5.0)
             except Exception:  # dead or restarting: Ray brings it back, a later poll notices
@@ -284,7 +285,7 @@ class RouterActor:
                 return
             self.states[v.idx].answered()
             self._update(v, load)
-            self.mover.observe(v.idx, load)
+            self.mover.observe(v.idx, load, sent_at)
 
         await asyncio.gather(*(one(v) for v in self.views if v.idx not in self.mover.drained))
         self.metrics.workers_alive(self.views)

@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 API_KEY = "test-key"
 # small and frugal: 1 torch thread per worker, a small KV pool, a short context
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 1024, "max_num_seqs": 16}
+
+
+def ray_started(start: Callable[[], T], tries: int = 5) -> T:
+    """`start()` (a call that starts a local Ray: ray.init, or deploy), run again when Ray's
+    own start-up wait (a fixed 30 s for the raylet to register with the GCS) runs out on a
+    loaded machine. The processes a failed try started are stopped before the next one."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(tries):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return start()
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+        ray.shutdown()
+        left = [p for p in me.children(recursive=True) if p.pid not in before]
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=30)
+    raise AssertionError("unreachable")
 
 
 def free_port() -> int:
@@ -91,6 +118,45 @@ class ServeApp:
                 "kept running")
         return left
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[list[Any]]:
+        """Every worker's engine paused until the block ends (requests still arrive, moves
+        and aborts still run; nothing generates): a test steps a worker by hand
+        (`step_engine`) to build the state it checks, instead of racing the engine."""
+        import ray
+
+        workers = self.workers()
+        ray.get([w.pause_engine.remote() for w in workers])
+        try:
+            yield workers
+        finally:
+            for w in workers:
+                try:
+                    ray.get(w.resume_engine.remote(), timeout=60)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # killed by the test (a restarted worker starts unpaused)
+
+    @staticmethod
+    def worker_of(workers: list[Any], rid: str | None = None, known: set[str] = frozenset(),
+                  timeout: float = 120.0) -> tuple[int, str]:
+        """(index, request id) of the worker that holds request `rid` (or, without one,
+        the first request not in `known`), once it has arrived there."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, w in enumerate(workers):
+                for r in ray.get(w.unfinished_ids.remote()):
+                    if r == rid or (rid is None and r not in known):
+                        return i, r
+            assert time.monotonic() < deadline, f"request {rid or '(new)'} reached no worker"
+            time.sleep(0.05)
+
+    def unfinished(self) -> set[str]:
+        import ray
+
+        return {r for w in self.workers() for r in ray.get(w.unfinished_ids.remote())}
+
     def wait_all_alive(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -115,7 +181,7 @@ def serve_app() -> Iterator[ServeApp]:
                 "_metrics_export_port": metrics_port,
                 "_system_config": {"metrics_report_interval_ms": 1000}}
     # a loaded 2-core machine can take minutes to bring Serve's proxies up: wait up to 15 min
-    deploy(cfg, ray_init=ray_init, start_timeout_s=900)
+    ray_started(lambda: deploy(cfg, ray_init=ray_init, start_timeout_s=900))
     import ray
 
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)

@@ -314,6 +314,23 @@ class WorkerActor(StreamMoves, TokenBatches):
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    # ---- holding the engine (fault drills, tests) -----------------------------------------------
+    # Reached through the worker's Ray handle only (the router, operators, tests), like
+    # `set_import_delay`: no client request can pause an engine.
+    async def pause_engine(self) -> dict[str, Any]:
+        """Hold the engine between steps (its streams keep their state; loads, moves and
+        aborts are still served); returns the load as it is held."""
+        await self.engine.pause()
+        return await self.load()
+
+    async def step_engine(self) -> dict[str, Any]:
+        """Run one step of the held engine; returns the load after it."""
+        await self.engine.step()
+        return await self.load()
+
+    def resume_engine(self) -> None:
+        self.engine.unpause()
+
     # ---- metrics ------------------------------------------------------------------------------
     def _ensure_metrics(self) -> None:
         if self._metrics_task is None or self._metrics_task.done():

@@ -4,7 +4,11 @@ streams move to a worker with room; a target killed mid-import, or already dead,
 stream at its source; a session whose worker is full takes its host-cached prefix to its
 new worker; a drained worker hands its streams over, its sessions' cached
 prefixes with them. Every output is identical to an unmoved run, no request fails, no KV is
-left behind. The tests run in order (the last three kill or stop workers)."""
+left behind. The tests run in order (the last three kill or stop workers).
+
+No test relies on timing for the state it checks: worker 0's engine is held (paused and
+stepped by hand) while streams must stay parked or unfinished, and planned migrations are
+off except where the planner is what is tested, so it cannot move streams meanwhile."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any
 
 import pytest
 import ray
+from serve_fixtures import ray_started
 
 from kvserve.deploy import admin
 from kvserve.deploy.config import ServeConfig
@@ -34,10 +39,11 @@ MAX_TOKENS = 40
 def cluster() -> Iterator[Any]:
     own = not ray.is_initialized()
     if own:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray_started(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     cfg = RouterConfig(num_workers=3, engine=ENGINE, num_cpus_per_worker=0.5,
                        max_imbalance=100, load_poll_interval_s=0.5, engine_overrides={0: TINY},
-                       migration={"park_threshold_s": 0.5, "min_interval_s": 2.0})
+                       migration={"enabled": False, "park_threshold_s": 0.5,
+                                  "min_interval_s": 2.0})
     router = ray.remote(RouterActor).options(num_cpus=0, max_concurrency=1000).remote(
         cfg.to_dict())
     ray.get(router.ready.remote())
@@ -107,26 +113,72 @@ def _wait_no_inflight(router: Any) -> None:
     assert inflight == [0, 0, 0]
 
 
+async def _until(what: str, probe: Any, done: Any, timeout: float = 120.0) -> Any:
+    """Call `probe()` until `done(result)`; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await probe()
+        if done(got):
+            return got
+        assert time.monotonic() < deadline, f"{what}: {got}"
+        await asyncio.sleep(0.05)
+
+
 def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
+    """Worker 0's engine is held while the streams arrive, then stepped by hand until its
+    pool has parked some of them; held, it cannot restore them, so only the planner (off
+    while the state is built) can serve them: each moves to a worker with room and finishes
+    there. No timing decides what is tested: the state is built and held, then observed."""
     n = 6
     want = _reference(smol_llm, n)
+    w0 = ray.get(cluster.workers.remote())[0]
 
-    async def run() -> list[Result]:
-        session = await _session_on_worker0(cluster, "hot")
-        return await asyncio.gather(*(_run(svc, i, session) for i in range(n)))
+    async def moved_in() -> float:
+        s = await cluster.server_info.remote()
+        return sum(w["stats"]["migration_streams_in"] for w in s["workers"][1:])
+
+    async def run() -> tuple[list[Result], set[str], dict[str, Any]]:
+        await w0.pause_engine.remote()  # (planned migrations are off: nothing moves yet)
+        tasks: list[asyncio.Task] = []
+        try:
+            session = await _session_on_worker0(cluster, "hot")
+            tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
+            await _until("the streams never all reached worker 0", w0.load.remote,
+                         lambda ld: ld["waiting"] == n)
+            # admitted together, their KV outgrows the tiny pool: some are evicted (parked)
+            load = await w0.step_engine.remote()
+            for _ in range(200):
+                if load["parked"]:
+                    break
+                load = await w0.step_engine.remote()
+            parked = {p["request_id"] for p in load["parked_streams"]}
+            assert parked and load["running"], load
+            start = await moved_in()
+            await cluster.set_migration.remote(True)
+            try:
+                await _until("the planner never moved the parked streams", moved_in,
+                             lambda m: m - start >= len(parked))
+            finally:
+                await cluster.set_migration.remote(False)  # worker 0 parks more once resumed
+            held = await w0.load.remote()  # still held: the moved streams left, no others
+            assert await moved_in() - start == len(parked)
+        finally:
+            await w0.resume_engine.remote()
+        return await asyncio.gather(*tasks), parked, held
 
     before = _stats(cluster)
-    got = asyncio.run(run())
+    got, parked, held = asyncio.run(run())
     after = _stats(cluster)
+    assert held["parked"] == 0 and held["running"] + held["waiting"] == n - len(parked), held
     assert [r.token_ids for r in got] == want
     assert all(r.finish_reason == "length" and r.usage[2] == MAX_TOKENS for r in got)
-    assert after[0]["evictions"] > before[0]["evictions"]  # the pressure parked streams
+    assert after[0]["evictions"] > before[0]["evictions"]
     moved = sum(after[i]["migration_streams_in"] - before[i]["migration_streams_in"]
                 for i in (1, 2))
-    assert moved >= 1 and after[0]["migration_streams_out"] - before[0]["migration_streams_out"] \
-        == moved
+    assert moved == len(parked)
+    assert after[0]["migration_streams_out"] - before[0]["migration_streams_out"] == moved
     assert after[0]["migration_bytes_out"] > before[0]["migration_bytes_out"]
-    assert sum(r.worker_id != "worker-0" for r in got) >= 1  # finished where they moved
+    assert sum(r.worker_id != "worker-0" for r in got) == moved  # finished where they moved
     _wait_clean(cluster, [0, 1, 2])
     _wait_no_inflight(cluster)
 
@@ -147,7 +199,11 @@ def test_a_session_leaving_its_full_worker_takes_its_cached_prefix(cluster, svc,
         filler = await _session_on_worker0(cluster, "filler")
         await asyncio.gather(*(_run(svc, i, filler) for i in range(4)))  # evicts it to host
         assert await on_host(0)
-        await asyncio.sleep(1.5)  # a router poll sees it there
+        # worker 0 is idle now: wait until a router poll has seen what its host tier holds
+        host = len((await handles[0].load.remote())["held"]["host"])
+        await _until("no router poll saw worker 0's host tier",
+                     cluster.server_info.remote,
+                     lambda i: i["workers"][0]["held_host_blocks"] == host)
         old = await cluster.set_max_inflight_per_worker.remote(1)
         held = await cluster.pick.remote([], None, [1, 2])  # worker 0 is full now
         try:
@@ -179,6 +235,19 @@ def test_a_session_leaving_its_full_worker_takes_its_cached_prefix(cluster, svc,
     _wait_no_inflight(cluster)
 
 
+async def _mid_generation_on_worker0(w0: Any, svc: Service, session: str,
+                                     rid: str) -> asyncio.Task:
+    """Start request `rid` (prompt 0) on worker 0 and hold it there mid-generation: worker
+    0's engine is paused before it arrives and stepped three times (prefill and two
+    tokens). The caller resumes the engine."""
+    await w0.pause_engine.remote()
+    task = asyncio.create_task(_run(svc, 0, session, rid))
+    await _until(f"{rid} never reached worker 0", w0.unfinished_ids.remote, lambda ids: rid in ids)
+    for _ in range(3):
+        await w0.step_engine.remote()
+    return task
+
+
 def test_target_killed_mid_import_returns_the_stream_to_its_source(cluster, svc, smol_llm):
     want = _reference(smol_llm, 1)
     handles = ray.get(cluster.workers.remote())
@@ -186,16 +255,16 @@ def test_target_killed_mid_import_returns_the_stream_to_its_source(cluster, svc,
 
     async def run() -> tuple[Result, dict[str, Any]]:
         session = await _session_on_worker0(cluster, "mid-import")
-        task = asyncio.create_task(_run(svc, 0, session, "killed-mid-import"))
-        while "killed-mid-import" not in await handles[0].unfinished_ids.remote():
-            await asyncio.sleep(0.05)
-        move = cluster.move_stream.remote("killed-mid-import", 0, 2)
-        deadline = time.monotonic() + 60
-        while "killed-mid-import" not in await handles[2].unfinished_ids.remote():
-            assert time.monotonic() < deadline, "the import never reached worker 2's engine"
-            await asyncio.sleep(0.05)
-        ray.kill(handles[2], no_restart=False)  # Ray restarts it with an empty engine
-        return await task, await move
+        task = await _mid_generation_on_worker0(handles[0], svc, session, "killed-mid-import")
+        try:
+            move = cluster.move_stream.remote("killed-mid-import", 0, 2)
+            await _until("the import never reached worker 2's engine",
+                         handles[2].unfinished_ids.remote, lambda ids: "killed-mid-import" in ids)
+            ray.kill(handles[2], no_restart=False)  # Ray restarts it with an empty engine
+            moved = await move
+        finally:
+            await handles[0].resume_engine.remote()
+        return await task, moved
 
     before = _stats(cluster)
     got, moved = asyncio.run(run())
@@ -224,10 +293,11 @@ def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smo
 
     async def run() -> tuple[Result, dict[str, Any]]:
         session = await _session_on_worker0(cluster, "fail")
-        task = asyncio.create_task(_run(svc, 0, session, "to-the-dead"))
-        while "to-the-dead" not in await handles[0].unfinished_ids.remote():
-            await asyncio.sleep(0.05)
-        moved = await cluster.move_stream.remote("to-the-dead", 0, 2)
+        task = await _mid_generation_on_worker0(handles[0], svc, session, "to-the-dead")
+        try:
+            moved = await cluster.move_stream.remote("to-the-dead", 0, 2)
+        finally:
+            await handles[0].resume_engine.remote()
         return await task, moved
 
     before = _stats(cluster)
@@ -256,11 +326,19 @@ def test_drain_hands_running_streams_over(cluster, svc, smol_llm):
         first_prompt.extend(conv)
         conv.extend(turn1.token_ids)
         session = await _session_on_worker0(cluster, "drain")
+        # held, worker 0 takes all the streams before any can finish; stepped until they
+        # push the conversation's cached blocks to host, it hands over streams mid-generation
+        await handles[0].pause_engine.remote()
         tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
-        deadline = time.monotonic() + 120
-        while len(await handles[0].unfinished_ids.remote()) < n:
-            assert time.monotonic() < deadline, "the streams never all reached worker 0"
-            await asyncio.sleep(0.05)
+        await _until("the streams never all reached worker 0", handles[0].load.remote,
+                     lambda ld: ld["waiting"] == n)
+        conv_first = hash_full_blocks(first_prompt, 16)[0]
+        load = await handles[0].step_engine.remote()
+        for _ in range(20):
+            if conv_first in load["held"]["host"] and load["running"]:
+                break
+            load = await handles[0].step_engine.remote()
+        assert conv_first in load["held"]["host"] and load["running"], load
         drained = await admin.drain(svc, "worker-0", 300.0)  # what DrainWorker runs
         return await asyncio.gather(*tasks), drained
 

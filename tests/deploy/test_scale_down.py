@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ from serve_fixtures import API_KEY
 from kvserve.deploy.app import build_app
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.serve_cli import stop_app
+from kvserve.deploy.shutdown import STOPPING
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
 from kvserve.router.router import NAMESPACE
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.slow  # the heavy tier (README: the two commands)
 APP = "kvserve-scale"
 ROUTER = "kvserve-router-scale"
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 1024, "max_num_seqs": 16}
-MAX_TOKENS = 480  # long enough to outlast the redeploy on a loaded machine
+MAX_TOKENS = 64  # worker 1 is held until the redeploy drains it: no length need outlast it
 N = 8
 
 
@@ -123,9 +125,14 @@ def test_scaling_down_drains_the_removed_worker(serve_app, scale_app, smol_llm):
     assert pick["idx"] == 1
     ray.get(router.release.remote(1, pick["slot_id"]))
 
+    # worker 1's engine is held: the streams reach it, make their first token in one step
+    # (admitted together), and cannot end before the redeploy drains them
+    ray.get(handles[1].pause_engine.remote())
     streams = Streams(serve_app.grpc_target, N, MAX_TOKENS, "scale")
-    _wait(lambda: len(ray.get(handles[1].unfinished_ids.remote())) == N and all(streams.tokens),
-          "the streams never all ran on worker 1")
+    _wait(lambda: len(ray.get(handles[1].unfinished_ids.remote())) == N,
+          "the streams never all reached worker 1")
+    ray.get(handles[1].step_engine.remote())
+    _wait(lambda: all(streams.tokens), "the streams' first tokens never came")
     _deploy(serve_app, 1)  # what a user does: the same app, redeployed with one worker
     want = _reference(smol_llm, N, MAX_TOKENS)  # meanwhile the streams go on on worker 0
     streams.join()
@@ -156,25 +163,58 @@ def test_scaling_down_drains_the_removed_worker(serve_app, scale_app, smol_llm):
         == router._actor_id
 
 
+def _ingress_replicas() -> set[str]:
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details().get("applications", {}).get(APP) or {}
+    return {r["replica_id"] for d in app.get("deployments", {}).values()
+            for r in d.get("replicas", ()) if r.get("state") not in STOPPING}
+
+
+def _stopping(old: set[str]) -> bool:
+    """Whether Serve is stopping the app's replicas `old` (the app deleted, or replaced)."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details().get("applications", {}).get(APP)
+    if app is None or app.get("status") == "DELETING":
+        return True
+    return not old & _ingress_replicas()
+
+
 def test_a_stopping_ingress_gives_requests_its_grace_period(serve_app, scale_app, smol_llm):
     """Its replica replaced by a redeploy, then the app deleted: each time the short stream
     finishes during the shutdown, and the long one ends with UNAVAILABLE once the stopping
-    replica's grace period is over."""
+    replica's grace period is over. The worker is held and stepped by hand: the short stream
+    runs only once the replica is stopping, the long one never ends by itself."""
     _deploy(serve_app, 1, grace_s=10)  # a redeploy that keeps the router (same configuration)
-    short, long = 48, 900  # one finishes within the grace period, one cannot
+    short, long = 16, 900
     want = _reference(smol_llm, 1, short)
     rounds = (("replaced", 10, lambda: _deploy(serve_app, 1, grace_s=12)),
               ("deleted", 12, lambda: stop_app(APP, 300)))
+    worker = ray.get(scale_app.workers.remote())[0]
     for what, grace, stop in rounds:
-        streams = Streams(serve_app.grpc_target, 2, [short, long], what)
-        _wait(lambda s=streams: all(s.tokens), f"{what}: the streams never started")
-        started = time.monotonic()
-        assert stop() is not False  # Serve's graceful shutdown waits for them
-        streams.join()
+        ray.get(worker.pause_engine.remote())
+        try:
+            streams = Streams(serve_app.grpc_target, 2, [short, long], what)
+            _wait(lambda: len(ray.get(worker.unfinished_ids.remote())) == 2,
+                  f"{what}: the streams never reached the worker")
+            ray.get(worker.step_engine.remote())  # their first tokens
+            _wait(lambda s=streams: all(s.tokens), f"{what}: the first tokens never came")
+            old = _ingress_replicas()
+            started = time.monotonic()
+            with ThreadPoolExecutor(1) as ex:
+                stopped = ex.submit(stop)  # Serve's graceful shutdown waits for the streams
+                _wait(lambda o=old: _stopping(o), f"{what}: the ingress replica never stopped")
+                for _ in range(short - 1):  # the short stream to its end, the long one held
+                    ray.get(worker.step_engine.remote())
+                assert stopped.result(timeout=600) is not False, what
+            streams.join()
+        finally:
+            ray.get(worker.resume_engine.remote())
         assert streams.tokens[0] == want[0] and streams.finish[0] == "length", what
         assert streams.ended[0] > started, what  # it ran during the shutdown and finished
         assert len(streams.errors) == 1 and streams.errors[0].startswith("1: UNAVAILABLE"), \
             (what, streams.errors)
         assert f"{grace} s grace period" in streams.errors[0], what
-        assert 0 < len(streams.tokens[1]) < long, what
+        assert len(streams.tokens[1]) == short, what  # the long one was cut where it was held
         assert streams.ended[1] - started >= grace, what  # not before the grace period ended

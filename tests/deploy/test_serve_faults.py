@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -85,6 +86,7 @@ def test_http_disconnect_mid_stream_frees_kv(serve_app, n):
 
 def test_killed_worker_is_survived_and_replaced(serve_app):
     serve_app.wait_all_alive()
+    _wait_router_idle(serve_app, 300)  # an earlier stream still counted would skew the spread
     md = serve_app.metadata
     restarts_before = {w["worker_id"]: w["restarts"] for w in serve_app.server_info()["workers"]}
     with grpc.insecure_channel(serve_app.grpc_target) as ch:
@@ -96,6 +98,7 @@ def test_killed_worker_is_survived_and_replaced(serve_app):
         assert set(by_worker) == {"worker-0", "worker-1"}
         victim_id = "worker-0"
         victim = _worker(serve_app, victim_id)
+        ray.get(victim.pause_engine.remote())  # its stream cannot end before the kill
         ray.kill(victim, no_restart=False)
 
         # requests arriving now are served (by the survivor, or retried before a first token)
@@ -154,19 +157,21 @@ def test_overload_is_shed_with_resource_exhausted(serve_app):
             calls = [stub.GenerateStream(_long(n=400), metadata=serve_app.metadata)
                      for _ in range(2)]
             assert {next(c).worker_id for c in calls} == {"worker-0", "worker-1"}
-            with pytest.raises(grpc.RpcError) as ei:
-                stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=serve_app.metadata)
-            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "retry later" in ei.value.details()
-            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
-            req = urllib.request.Request(serve_app.http_url + "/v1/completions", data=body,
-                                         headers={"content-type": "application/json",
-                                                  "authorization": f"Bearer {serve_app.api_key}"})
-            with pytest.raises(urllib.error.HTTPError) as he:
-                urllib.request.urlopen(req, timeout=60)
-            assert he.value.code == 429
-            for c in calls:
-                c.cancel()
+            with serve_app.held():  # the two streams cannot end while the others are shed
+                with pytest.raises(grpc.RpcError) as ei:
+                    stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=serve_app.metadata)
+                assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "retry later" in ei.value.details()
+                body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+                req = urllib.request.Request(
+                    serve_app.http_url + "/v1/completions", data=body,
+                    headers={"content-type": "application/json",
+                             "authorization": f"Bearer {serve_app.api_key}"})
+                with pytest.raises(urllib.error.HTTPError) as he:
+                    urllib.request.urlopen(req, timeout=60)
+                assert he.value.code == 429
+                for c in calls:
+                    c.cancel()
     finally:
         ray.get(router.set_max_inflight_per_worker.remote(old))
     dropped = serve_app.cancels_serve_dropped()  # then that stream runs to its end
@@ -183,6 +188,26 @@ def test_workers_export_engine_stats_as_metrics(serve_app):
         assert len(names) == len(numeric) and "kvserve_worker_kv_blocks_free" in names
 
 
+class _Calls:
+    """A router handle that keeps the ref of every call made through it, so that a test can
+    wait for a call it did not make itself (a fire-and-forget release) to have run."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self.refs: dict[str, list[Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        method, refs = getattr(self.router, name), self.refs.setdefault(name, [])
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                refs.append(ref := method.remote(*args, **kwargs))
+                return ref
+
+        return _Method
+
+
 def test_a_pick_cancelled_midway_gives_its_slot_back(serve_app):
     """A request cancelled while the router decides (client gone, a sibling choice of `n`
     failed) must not leave the router counting it: the count would shed load for good."""
@@ -192,20 +217,24 @@ def test_a_pick_cancelled_midway_gives_its_slot_back(serve_app):
     from kvserve.sampling import SamplingParams
 
     _wait_router_idle(serve_app)
-    svc = Service(serve_app.config, router=serve_app.router)  # an ingress's view of it
+    calls = _Calls(serve_app.router)
+    svc = Service(serve_app.config, router=calls)  # an ingress's view of it
 
     async def go() -> None:
         req = GenRequest("req-cancelled-pick", [1, 2, 3], SamplingParams())
         t = asyncio.ensure_future(svc._pick([], req, [], None))
-        await asyncio.sleep(0)  # _pick starts its call...
-        await asyncio.sleep(0)  # ...which reaches the router: cancel before the answer
-        t.cancel()
+        while not calls.refs.get("pick"):  # the pick is on its way to the router...
+            await asyncio.sleep(0)
+        t.cancel()  # ...and its caller is cancelled before the answer
         with pytest.raises(asyncio.CancelledError):
             await t
-        await asyncio.sleep(1.0)  # the pick lands on the router after the cancel
-        deadline = time.monotonic() + 10
-        while any(w["inflight"] for w in (await svc.router.server_info.remote())["workers"]):
+        pick = await calls.refs["pick"][0]
+        assert "idx" in pick, pick  # the router counted a slot for the cancelled request
+        deadline = time.monotonic() + 60
+        while not calls.refs.get("release"):  # the service gives it back once it has the answer
             assert time.monotonic() < deadline, "the cancelled pick's slot was never released"
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
+        assert await calls.refs["release"][0] is True  # the slot it gave back was counted
+        assert not any(w["inflight"] for w in (await calls.router.server_info.remote())["workers"])
 
     asyncio.run(go())

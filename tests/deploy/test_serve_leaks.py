@@ -24,8 +24,9 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 260)))
 
 
-def _wait_quiet(serve_app, timeout: float = 8.0) -> list[dict]:
-    """Until the router counts no request in flight and every worker is idle with all KV free."""
+def _wait_quiet(serve_app, timeout: float = 45.0) -> list[dict]:
+    """Until the router counts no request in flight and every worker is idle with all KV free
+    (the router's reconciliation empties the count too: the tests check it corrected nothing)."""
     import ray
 
     deadline = time.monotonic() + timeout
@@ -176,7 +177,7 @@ def test_router_drops_a_slot_whose_release_never_came(serve_app):
         before = {w["worker_id"]: w["reconciled_slots"] for w in serve_app.server_info()["workers"]}
         pick = ray.get(router.pick.remote([], None, [], "req-lost-release"))  # never released
         assert serve_app.server_info()["workers"][pick["idx"]]["inflight"] == 1
-        info = _wait_quiet(serve_app, timeout=15)
+        info = _wait_quiet(serve_app, timeout=60)
         assert info[pick["idx"]]["reconciled_slots"] == before[pick["worker_id"]] + 1
         assert ray.get(router.release.remote(pick["idx"], pick["slot_id"])) is False  # late: ignored
         with grpc.insecure_channel(serve_app.grpc_target) as ch:

@@ -5,6 +5,8 @@ response names the worker that finished it."""
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 
 import grpc
@@ -41,12 +43,15 @@ def test_grpc_stream_moved_mid_generation(serve_app, stub):
     md = serve_app.metadata
     ref = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()), metadata=md)
     before = serve_app.server_info()["workers"]
-    stream = stub.GenerateStream(
-        pb.GenerateRequest(prompt=PROMPT, sampling=_greedy(), request_id="moved-grpc"),
-        metadata=md)
-    first = next(stream)
-    assert not first.finish_reason
-    target = _move(serve_app, "moved-grpc", first.worker_id)
+    with serve_app.held() as workers:  # the stream cannot end before it is moved
+        stream = stub.GenerateStream(
+            pb.GenerateRequest(prompt=PROMPT, sampling=_greedy(), request_id="moved-grpc"),
+            metadata=md)
+        idx, _ = serve_app.worker_of(workers, "moved-grpc")
+        ray.get(workers[idx].step_engine.remote())  # its first token
+        first = next(stream)
+        assert not first.finish_reason and first.worker_id == f"worker-{idx}"
+        target = _move(serve_app, "moved-grpc", first.worker_id)
     chunks = [first, *stream]
     assert "".join(c.delta_text for c in chunks) == ref.text
     assert [t for c in chunks for t in c.delta_token_ids] == list(ref.token_ids)
@@ -78,19 +83,33 @@ def test_http_sse_moved_mid_generation(serve_app):
     body = {"model": "default", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True}
     ref = requests.post(url, json=body, headers=headers, timeout=300).json()
-    r = requests.post(url, json={**body, "stream": True,
-                                 "stream_options": {"include_usage": True}},
-                      headers=headers, stream=True, timeout=300)
-    assert r.status_code == 200
-    events, target = [], None
-    for line in r.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        ev = json.loads(line[6:])
-        assert "error" not in ev, ev
-        events.append(ev)
-        if target is None:
-            target = _move(serve_app, ev["id"].removeprefix("cmpl-"), ev["kvserve_worker"])
+    q: queue.Queue = queue.Queue()  # the client's events, read in a thread
+
+    def client() -> None:
+        try:
+            r = requests.post(url, json={**body, "stream": True,
+                                         "stream_options": {"include_usage": True}},
+                              headers=headers, stream=True, timeout=300)
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    q.put(json.loads(line[6:]))
+        except BaseException as e:
+            q.put(e)
+        q.put(None)
+
+    thread = threading.Thread(target=client)
+    with serve_app.held() as workers:  # the stream cannot end before it is moved
+        known = serve_app.unfinished()
+        thread.start()
+        idx, rid = serve_app.worker_of(workers, known=known)
+        ray.get(workers[idx].step_engine.remote())  # its first token
+        first = q.get(timeout=300)
+        assert isinstance(first, dict) and first["id"] == f"cmpl-{rid}", first
+        target = _move(serve_app, rid, first["kvserve_worker"])
+    thread.join(300)
+    events = [first, *iter(q.get_nowait, None)]
+    assert not any(isinstance(e, BaseException) or "error" in e for e in events), events
     text = "".join(c["text"] for e in events for c in e["choices"])
     assert text == ref["choices"][0]["text"]
     finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]

@@ -70,10 +70,22 @@ def chunk(ids: list[int], finish: str | None = None) -> dict[str, Any]:
             "stop_reason": None, "usage": [3, 0, ids[-1]], "worker_id": "worker-0"}
 
 
-async def collect(agen: Any, into: list[dict], delay: float = 0.0) -> None:
+async def collect(agen: Any, into: list[dict], gate: asyncio.Event | None = None) -> None:
+    """Read every chunk; with `gate`, stop reading after the first until the gate opens."""
     async for c in agen:
         into.append(c)
-        await asyncio.sleep(delay)
+        if gate is not None:
+            await gate.wait()
+
+
+async def until(cond: Any, timeout: float = 10.0) -> None:
+    """Let the other tasks run until `cond()` holds (an observed state, not a guessed wait)."""
+    await asyncio.wait_for(_until(cond), timeout)
+
+
+async def _until(cond: Any) -> None:
+    while not cond():
+        await asyncio.sleep(0.001)
 
 
 def test_batches_reach_their_requests_in_order_and_slow_readers_merge():
@@ -81,17 +93,20 @@ def test_batches_reach_their_requests_in_order_and_slow_readers_merge():
         w, demux = FakeWorker(), TokenDemux()
         a: list[dict] = []
         b: list[dict] = []
+        gate = asyncio.Event()
         ta = asyncio.create_task(collect(demux.stream(0, w, "a", w.starter("a")), a))
-        tb = asyncio.create_task(collect(demux.stream(0, w, "b", w.starter("b")), b, delay=0.2))
-        await asyncio.sleep(0.05)
+        tb = asyncio.create_task(collect(demux.stream(0, w, "b", w.starter("b")), b, gate))
+        await until(lambda: len(w.keys) == 2)
         assert len(w.streams) == 1  # both requests on one subscription
         w.send({"a": [chunk([1])], "b": [chunk([1])]})
-        await asyncio.sleep(0.05)
-        for n in range(2, 8):  # b's reader sleeps through these: they merge for it
+        await until(lambda: len(a) == len(b) == 1)
+        for n in range(2, 8):  # b's reader does not read these: they merge for it
             w.send({"a": [chunk([n])], "b": [chunk([n])], "gone": [chunk([n])]})
-            await asyncio.sleep(0.01)
+            await until(lambda n=n: len(a) == n)  # a's reader keeps up
         w.send({"a": [chunk([8], "length")], "b": [chunk([8], "length")]})
-        await asyncio.wait_for(asyncio.gather(ta, tb), 10)
+        await asyncio.wait_for(ta, 10)
+        gate.set()
+        await asyncio.wait_for(tb, 10)
         return a, b, demux.info()
 
     a, b, info = asyncio.run(run())
@@ -99,7 +114,7 @@ def test_batches_reach_their_requests_in_order_and_slow_readers_merge():
         assert [t for c in got for t in c["token_ids"]] == list(range(1, 9))
         assert "".join(c["text"] for c in got) == "".join(f"<{i}>" for i in range(1, 9))
         assert got[-1]["finish_reason"] == "length" and got[-1]["usage"] == [3, 0, 8]
-    assert len(a) == 8 and len(b) < 4  # the slow reader got few, larger chunks
+    assert len(a) == 8 and [len(c["token_ids"]) for c in b] == [1, 7]  # the rest merged
     assert info == {"token_streams": 1, "token_batches": 8}
 
 
@@ -113,10 +128,10 @@ def test_a_dead_worker_fails_exactly_its_requests_and_is_subscribed_anew():
         on1: list[dict] = []
         t0 = asyncio.create_task(collect(demux.stream(0, w0, "x", w0.starter("x")), on0))
         t1 = asyncio.create_task(collect(demux.stream(1, w1, "y", w1.starter("y")), on1))
-        await asyncio.sleep(0.05)
+        await until(lambda: "x" in w0.keys and "y" in w1.keys)
         w0.send({"x": [chunk([1])]})
         w1.send({"y": [chunk([1])]})
-        await asyncio.sleep(0.05)
+        await until(lambda: on0 and on1)
         w0.die(Gone("worker-0 died"))
         with pytest.raises(Gone):
             await asyncio.wait_for(t0, 5)
@@ -127,7 +142,7 @@ def test_a_dead_worker_fails_exactly_its_requests_and_is_subscribed_anew():
         # the next request on worker 0 subscribes to its restarted actor
         again: list[dict] = []
         t2 = asyncio.create_task(collect(demux.stream(0, w0, "z", w0.starter("z")), again))
-        await asyncio.sleep(0.05)
+        await until(lambda: "z" in w0.keys)
         w0.send({"z": [chunk([5], "stop")]})
         await asyncio.wait_for(t2, 5)
         assert again[0]["token_ids"] == [5]
@@ -149,8 +164,8 @@ def test_a_worker_that_forgot_the_subscription_gets_a_new_one():
 
         got: list[dict] = []
         task = asyncio.create_task(collect(demux.stream(0, w, "r", start), got))
-        await asyncio.sleep(0.05)
-        assert len(subs) == 2 and subs[0] != subs[1]
+        await until(lambda: len(subs) == 2)
+        assert subs[0] != subs[1]
         w.streams[subs[1]].items.put_nowait({"batch": {keys[1]: [chunk([4], "stop")]}})
         await asyncio.wait_for(task, 5)
         assert got[0]["token_ids"] == [4]
@@ -187,11 +202,11 @@ def test_two_streams_of_one_request_id_keep_their_own_chunks():
         first: list[dict] = []
         second: list[dict] = []
         t1 = asyncio.create_task(collect(demux.stream(0, w, "dup", start), first))
-        await asyncio.sleep(0.05)
+        await until(lambda: len(keys) == 1)
         w.send({keys[0]: [chunk([1])]})
         t2 = asyncio.create_task(collect(demux.stream(0, w, "dup", start), second))
-        await asyncio.sleep(0.05)
-        assert len(keys) == 2 and keys[0] != keys[1]
+        await until(lambda: len(keys) == 2)
+        assert keys[0] != keys[1]
         w.send({keys[1]: [{"error": "invalid", "message": "request id 'dup' is in use"}]})
         await asyncio.wait_for(t2, 5)
         w.send({keys[0]: [chunk([2], "length")]})

@@ -1,14 +1,28 @@
-"""The migration planner on hand-built worker views (pure, no Ray)."""
+"""The migration planner on hand-built worker views (pure, no Ray); the mover's room
+bookkeeping between polls, on fake worker handles; and the parked ages the workers report."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
 from kvserve.router.migration import (
     MigrationConfig,
+    Move,
     ParkedStream,
     WorkerState,
     drain_target,
     plan_moves,
 )
+from kvserve.router.mover import StreamMover
+from kvserve.router.policy import WorkerView
+from kvserve.workers.engine.migration import ParkedTracker
 
 CFG = MigrationConfig(park_threshold_s=1.0, max_inflight=2, min_interval_s=10.0, headroom=0.1)
 
@@ -56,3 +70,176 @@ def test_drain_target_is_the_least_loaded_live_worker():
     assert drain_target(ws, 0, {1: 0, 2: 0}) == 2
     assert drain_target(ws, 0, {1: 0, 2: 3}) == 1
     assert drain_target([idle(0), WorkerState(1, draining=True)], 0, {}) is None
+
+
+def test_moves_under_way_take_their_targets_room():
+    ws = [full(0, ("a", 5.0, 5), ("b", 4.0, 5)), idle(1, 45)]
+    # 45 free, 10 kept, 30 already headed there: room for one 5-block stream, not two
+    assert [m.request_id for m in plan_moves(ws, CFG, set(), {}, 0.0, {1: 30})] == ["a"]
+    assert plan_moves(ws, CFG, set(), {}, 0.0, {1: 31}) == []
+    assert plan_moves(ws, CFG, set(), {}, 0.0, {0: 99})[0] == Move("a", 0, 1, 5)
+
+
+# ---- the mover's bookkeeping between polls -----------------------------------------------------
+class _Call:
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self.remote = f
+
+
+def _handle(imports: list[str]) -> SimpleNamespace:
+    async def value(v: Any) -> Any:
+        return v
+
+    def import_stream(data: bytes) -> Any:
+        imports.append(data.decode())
+        return value({"request_id": data.decode()})
+
+    return SimpleNamespace(
+        export_stream=_Call(lambda rid: (value({"bytes": 10}), rid.encode())),
+        import_stream=_Call(import_stream),
+        hand_over=_Call(lambda rid, dst: value(True)))
+
+
+def _load(parked: list[tuple[str, float, int]], free: int) -> dict[str, Any]:
+    return {"parked_streams": [{"request_id": r, "parked_s": s, "blocks_needed": b,
+                                "kv_bytes": 0} for r, s, b in parked]}
+
+
+def test_a_poll_that_missed_landed_moves_does_not_overfill_their_target():
+    """Two streams moved to worker 1 while its poll was on the way: the next round counts
+    their blocks against worker 1's room until a poll sent after they landed sees them."""
+    imports: list[str] = []
+    views = [WorkerView(0, "worker-0", alive=True, kv_blocks_free=0, kv_blocks_total=100),
+             WorkerView(1, "worker-1", alive=True, kv_blocks_free=60, kv_blocks_total=100)]
+    cfg = MigrationConfig(park_threshold_s=1.0, max_inflight=4, min_interval_s=10.0)
+    mover = StreamMover(cfg, [_handle([]), _handle(imports)], views, OrderedDict(), 10)
+
+    async def run() -> None:
+        mover.observe(0, _load([("a", 5.0, 25), ("b", 4.0, 25), ("c", 3.0, 25)], 0), 0.0)
+        mover.observe(1, _load([], 60), 0.0)
+        mover.tick()  # 60 free, 10 kept: a and b fit, c does not
+        assert sorted(mover.moving) == ["a", "b"] and mover.reserved() == {1: 50}
+        await asyncio.gather(*mover._tasks)
+        assert sorted(imports) == ["a", "b"] and not mover.moving
+        # a poll sent before they landed still shows worker 1 empty, worker 0 with c parked
+        mover.observe(0, _load([("c", 9.0, 25)], 0), sent_at=0.0)
+        mover.observe(1, _load([], 60), sent_at=0.0)
+        mover.tick()
+        assert not mover.moving and mover.reserved() == {1: 50}  # c still has no room there
+        views[1].kv_blocks_free = 10  # the next poll sees them there
+        mover.observe(1, _load([], 10), sent_at=time.monotonic())
+        assert mover.reserved() == {}
+        mover.tick()
+        assert not mover.moving  # and still no room for c
+
+    asyncio.run(run())
+
+
+def test_a_failed_move_gives_its_room_back():
+    views = [WorkerView(0, "worker-0", alive=True, kv_blocks_total=100),
+             WorkerView(1, "worker-1", alive=True, kv_blocks_free=60, kv_blocks_total=100)]
+    target = _handle([])
+
+    async def refuse(data: bytes) -> dict[str, Any]:
+        return {"error": "refused"}
+
+    target.import_stream = _Call(refuse)
+    source = _handle([])
+    source.import_stream = _Call(lambda data: _async({"request_id": "a"}))  # taken back
+    source.abort = _Call(lambda rid: None)
+    mover = StreamMover(MigrationConfig(park_threshold_s=1.0), [source, target], views,
+                        OrderedDict(), 10)
+
+    async def run() -> None:
+        mover.observe(0, _load([("a", 5.0, 25)], 0), 0.0)
+        mover.tick()
+        assert mover.reserved() == {1: 25}
+        await asyncio.gather(*mover._tasks)
+        assert mover.reserved() == {}
+
+    asyncio.run(run())
+
+
+async def _async(v: Any) -> Any:
+    return v
+
+
+# ---- how long a stream has been parked (the planner's input, from the worker) ------------------
+class _Engine:
+    """What ParkedTracker reads of an engine: the parked queue, the unfinished requests."""
+
+    def __init__(self) -> None:
+        self.scheduler = SimpleNamespace(parked=[])
+        self.seqs: dict[str, Any] = {}
+        self.runner = SimpleNamespace(cache=SimpleNamespace(bytes_per_block=100))
+        self.kv = SimpleNamespace(blocks_needed=lambda n: -(-n // 16))
+
+    def add(self, rid: str) -> SimpleNamespace:
+        s = SimpleNamespace(request_id=rid, parked_kv=None, all_ids=[1] * 40)
+        self.seqs[rid] = s
+        return s
+
+
+def test_a_stream_parked_in_short_spells_reaches_the_threshold():
+    """Restored and evicted again between polls, a stream keeps the time it spent parked:
+    parked 0.8 s of every second, it moves, though no spell reaches the threshold."""
+    eng, t = _Engine(), ParkedTracker()
+    s = eng.add("r")
+    ages = []
+    for k in range(3):  # parked for 0.8 s, then running for 0.2 s
+        eng.scheduler.parked = [s]
+        t.view(eng, now=k + 0.0)
+        ages.append(t.view(eng, now=k + 0.8)[0]["parked_s"])
+        eng.scheduler.parked = []
+        t.view(eng, now=k + 1.0)
+    assert ages == pytest.approx([0.8, 1.6, 2.4])
+    eng.scheduler.parked = [s]
+    view = t.view(eng, now=3.0)
+    assert view[0]["parked_s"] == pytest.approx(2.4) and view[0]["blocks_needed"] == 3
+    ws = [WorkerState(0, kv_blocks_total=100, parked=[
+        ParkedStream(p["request_id"], p["parked_s"], p["blocks_needed"]) for p in view]), idle(1)]
+    assert [m.request_id for m in plan_moves(ws, CFG, set(), {}, 100.0)] == ["r"]
+    # ages are read when asked, not when the last step ended
+    assert t.streams(now=5.0)[0]["parked_s"] == pytest.approx(4.4)
+    # a finished stream's time is forgotten; a new one starts from zero
+    del eng.seqs["r"]
+    eng.scheduler.parked = []
+    t.view(eng, now=6.0)
+    assert t.before == {} and t.since == {}
+    s2 = eng.add("r2")
+    eng.scheduler.parked = [s2]
+    assert t.view(eng, now=7.0)[0]["parked_s"] == 0.0
+
+
+def test_the_interval_runs_from_the_end_of_a_failed_move():
+    """A move that fails after a long import (its timeout longer than the interval) leaves
+    the stream at its source: the interval counts from that failure, so the next round does
+    not send it straight off again."""
+    views = [WorkerView(0, "worker-0", alive=True, kv_blocks_total=100),
+             WorkerView(1, "worker-1", alive=True, kv_blocks_free=60, kv_blocks_total=100)]
+    target = _handle([])
+
+    async def slow_refusal(data: bytes) -> dict[str, Any]:
+        await asyncio.sleep(0.3)
+        return {"error": "refused"}
+
+    target.import_stream = _Call(slow_refusal)
+    source = _handle([])
+    source.import_stream = _Call(lambda data: _async({"request_id": "a"}))  # taken back
+    mover = StreamMover(MigrationConfig(park_threshold_s=1.0), [source, target], views,
+                        OrderedDict(), 10)
+
+    async def run() -> float:
+        mover.observe(0, _load([("a", 5.0, 25)], 0), 0.0)
+        mover.tick()
+        started = time.monotonic()  # the move itself starts after this
+        await asyncio.gather(*mover._tasks)
+        return started
+
+    started = asyncio.run(run())
+    assert mover.last_moved["a"] >= started + 0.3  # when it failed, not when it started
+    ws = [full(0, ("a", 5.0, 25)), idle(1)]
+    cfg = mover.cfg
+    assert plan_moves(ws, cfg, set(), mover.last_moved, mover.last_moved["a"] + 1.0) == []
+    assert plan_moves(ws, cfg, set(), mover.last_moved,
+                      mover.last_moved["a"] + cfg.min_interval_s)[0].request_id == "a"

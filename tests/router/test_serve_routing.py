@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -84,7 +85,19 @@ def test_shared_prefix_goes_to_the_worker_holding_it(serve_app, stub):
 def test_mixed_load_spreads_over_both_workers(serve_app, stub):
     md = serve_app.metadata
     prompts = [f"Write a word about the number {i}." for i in range(8)]
-    with ThreadPoolExecutor(8) as ex:
-        workers = list(ex.map(lambda p: _gen(stub, md, p, n=8).worker_id, prompts))
+    ex = ThreadPoolExecutor(8)
+    try:
+        # held, the workers finish nothing before all eight are routed: the picks see
+        # each other's load, however fast or slow this machine serves one request
+        with serve_app.held():
+            known = serve_app.unfinished()
+            futs = [ex.submit(lambda p=p: _gen(stub, md, p, n=8).worker_id) for p in prompts]
+            deadline = time.monotonic() + 300
+            while len(serve_app.unfinished() - known) < len(prompts):
+                assert time.monotonic() < deadline, "the requests never all reached a worker"
+                time.sleep(0.05)
+        workers = [f.result(timeout=300) for f in futs]
+    finally:
+        ex.shutdown()
     counts = {w: workers.count(w) for w in set(workers)}
     assert set(counts) == {"worker-0", "worker-1"} and min(counts.values()) >= 3, counts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -29,9 +30,7 @@ async def collect(eng: AsyncLLMEngine, prompt, params, rid=None):
     return ids, text, last
 
 
-def wait_idle(eng: AsyncLLMEngine, timeout: float = 10.0) -> None:
-    import time
-
+def wait_idle(eng: AsyncLLMEngine, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         s = eng.stats()
@@ -66,6 +65,14 @@ def test_64_concurrent_requests_match_solo_runs(aengine):
     wait_idle(aengine)
 
 
+async def until(cond, what: str, timeout: float = 30.0) -> None:
+    """Wait (bounded) for a state the test observes, not for a guessed time."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, what
+        await asyncio.sleep(0.01)
+
+
 def test_cancel_consumer_aborts_and_frees_blocks(aengine):
     async def run():
         got = 0
@@ -75,15 +82,30 @@ def test_cancel_consumer_aborts_and_frees_blocks(aengine):
             if got >= 3:
                 break
         await agen.aclose()
-        # a task cancelled while waiting for its next token aborts as well
-        task = asyncio.create_task(collect(aengine, "Another long story:", SamplingParams(max_tokens=500, ignore_eos=True)))
-        await asyncio.sleep(0.5)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return got
+        # a task cancelled while it waits for its next token aborts as well: the engine is
+        # held after the stream's first step, so the stream is certainly mid-generation
+        await aengine.pause()
+        try:
+            tokens: list[int] = []
 
-    assert asyncio.run(run()) >= 3
+            async def read() -> None:
+                async for out in aengine.generate("Another long story:", SamplingParams(max_tokens=500, ignore_eos=True), "cut"):
+                    tokens.extend(out.delta_token_ids)
+
+            task = asyncio.create_task(read())
+            await until(lambda: "cut" in aengine.unfinished_ids(), "the request never arrived")
+            await aengine.step()
+            await until(lambda: tokens, "no first token")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until(lambda: "cut" not in aengine.unfinished_ids(), "not aborted while held")
+        finally:
+            aengine.unpause()
+        return got, len(tokens)
+
+    got, cut = asyncio.run(run())
+    assert got >= 3 and cut == 1
     wait_idle(aengine)
 
 
@@ -106,10 +128,14 @@ def test_bad_input_raises_and_others_keep_streaming(aengine):
 
 def test_duplicate_request_id_rejected(aengine):
     async def run():
-        t1 = asyncio.create_task(collect(aengine, "a b c", SamplingParams(max_tokens=30, ignore_eos=True), "same"))
-        await asyncio.sleep(0.2)
-        with pytest.raises(InvalidRequestError, match="already in use"):
-            await collect(aengine, "d e f", SamplingParams(max_tokens=3), "same")
+        await aengine.pause()  # the first request cannot finish before the second arrives
+        try:
+            t1 = asyncio.create_task(collect(aengine, "a b c", SamplingParams(max_tokens=30, ignore_eos=True), "same"))
+            await until(lambda: "same" in aengine.unfinished_ids(), "the first never arrived")
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                await collect(aengine, "d e f", SamplingParams(max_tokens=3), "same")
+        finally:
+            aengine.unpause()
         return await t1
 
     ids, _, _ = asyncio.run(run())

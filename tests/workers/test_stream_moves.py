@@ -47,12 +47,19 @@ async def _whole(w: WorkerActor, rid: str) -> tuple[list[int], str, dict]:
     return ids, text, last
 
 
-async def _first_chunks(w: WorkerActor, rid: str, n: int) -> tuple[object, list[dict]]:
+async def _held_mid_stream(w: WorkerActor, rid: str, steps: int) -> tuple[object, list[dict]]:
+    """`rid` started on `w` with its engine held: `steps` steps run and its first chunk
+    read; it cannot finish (or go on) until the caller unpauses the engine."""
+    await w.engine.pause()
     gen = w.generate(rid, _ids(w), PARAMS)
-    got = []
-    while sum(len(c["token_ids"]) for c in got) < n:
-        got.append(await gen.__anext__())
-    return gen, got
+    first = asyncio.ensure_future(gen.__anext__())
+    deadline = time.monotonic() + 30
+    while rid not in w.engine.unfinished_ids():
+        assert time.monotonic() < deadline, f"{rid} never reached the engine"
+        await asyncio.sleep(0.01)
+    for _ in range(steps):
+        await w.engine.step()
+    return gen, [await first]
 
 
 def test_moved_stream_continues_without_repeats(pair):
@@ -60,11 +67,14 @@ def test_moved_stream_continues_without_repeats(pair):
 
     async def run():
         want = await _whole(a, "ref")
-        gen, got = await _first_chunks(a, "m", 5)
-        meta, data = await a.export_stream("m")
-        assert meta["bytes"] == len(data) > 0
-        assert (await b.import_stream(data)) == {"request_id": "m"}
-        assert await a.hand_over("m", 1)
+        gen, got = await _held_mid_stream(a, "m", 5)
+        try:
+            meta, data = await a.export_stream("m")
+            assert meta["bytes"] == len(data) > 0
+            assert (await b.import_stream(data)) == {"request_id": "m"}
+            assert await a.hand_over("m", 1)
+        finally:
+            a.engine.unpause()
         rest = [c async for c in gen]
         assert rest[-1] == {"moved_to": 1, "worker_id": "worker-0"}
         got += rest[:-1]
@@ -85,13 +95,16 @@ def test_failed_move_goes_back_to_its_source(pair):
 
     async def run():
         want = await _whole(a, "ref2")
-        gen, got = await _first_chunks(a, "back", 3)
-        _, data = await a.export_stream("back")
-        bad = msgpack.unpackb(data, raw=False)
-        bad["model"]["num_layers"] += 1  # another geometry: refused, nothing kept
-        res = await b.import_stream(msgpack.packb(bad, use_bin_type=True))
-        assert "error" in res and "model" in res["error"]
-        assert (await a.import_stream(data)) == {"request_id": "back"}  # rolled back
+        gen, got = await _held_mid_stream(a, "back", 3)
+        try:
+            _, data = await a.export_stream("back")
+            bad = msgpack.unpackb(data, raw=False)
+            bad["model"]["num_layers"] += 1  # another geometry: refused, nothing kept
+            res = await b.import_stream(msgpack.packb(bad, use_bin_type=True))
+            assert "error" in res and "model" in res["error"]
+            assert (await a.import_stream(data)) == {"request_id": "back"}  # rolled back
+        finally:
+            a.engine.unpause()
         got += [c async for c in gen]
         return want, got
 
@@ -106,13 +119,19 @@ def test_abort_racing_a_move_leaves_nothing(pair):
     a, b = pair
 
     async def run():
-        gen, _ = await _first_chunks(a, "race", 2)
-        _, data = await a.export_stream("race")
-        assert "request_id" in await b.import_stream(data)
-        await gen.aclose()  # the client leaves while the stream is in transit
-        await asyncio.sleep(0.1)
-        assert not await a.hand_over("race", 1)  # its consumer is gone: the move is off
-        await b.abort("race")  # what the router does then
+        gen, _ = await _held_mid_stream(a, "race", 2)
+        try:
+            _, data = await a.export_stream("race")
+            assert "request_id" in await b.import_stream(data)
+            await gen.aclose()  # the client leaves while the stream is in transit
+            deadline = time.monotonic() + 30
+            while "race" in a.engine._moving:  # its abort reached the engine's step thread
+                assert time.monotonic() < deadline, "the abort never reached the engine"
+                await asyncio.sleep(0.01)
+            assert not await a.hand_over("race", 1)  # its consumer is gone: the move is off
+            await b.abort("race")  # what the router does then
+        finally:
+            a.engine.unpause()
 
     asyncio.run(run())
     wait_clean(a, b)

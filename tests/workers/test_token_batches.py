@@ -5,7 +5,9 @@ whole; closing the subscription aborts its requests and frees their KV."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -30,6 +32,21 @@ async def _alone(w: WorkerActor, rid: str, ids: list[int]) -> list[int]:
     return [t async for c in w.generate(rid, ids, PARAMS) for t in c["token_ids"]]
 
 
+@contextlib.asynccontextmanager
+async def _held(w: WorkerActor, rids: list[str]) -> AsyncIterator[None]:
+    """The engine paused while the block starts requests `rids`; it goes on once all of
+    them have reached it, so they share their first step (whatever this machine's speed)."""
+    await w.engine.pause()
+    try:
+        yield
+        deadline = time.monotonic() + 30
+        while not set(rids) <= set(w.engine.unfinished_ids()):
+            assert time.monotonic() < deadline, "the requests never reached the engine"
+            await asyncio.sleep(0.01)
+    finally:
+        w.engine.unpause()
+
+
 async def _read(sub, got: dict[str, list[dict]], batches: list[dict], until: set[str]) -> None:
     async for item in sub:
         for rid, chunks in item["batch"].items():
@@ -45,8 +62,9 @@ def test_one_subscription_carries_every_stream_in_shared_batches(worker):
         want = {f"r{i}": await _alone(worker, f"alone{i}", _prompt(worker, i)) for i in range(6)}
         sub = worker.subscribe("s1")
         assert (await sub.__anext__()) == {"subscribed": worker.incarnation}
-        for i in range(6):
-            assert await worker.start("s1", f"r{i}", _prompt(worker, i), PARAMS)
+        async with _held(worker, [f"r{i}" for i in range(6)]):  # all six start together
+            for i in range(6):
+                assert await worker.start("s1", f"r{i}", _prompt(worker, i), PARAMS)
         assert not await worker.start("nope", "x", [1, 2], PARAMS)  # unknown subscription
         got: dict[str, list[dict]] = {}
         batches: list[dict] = []
@@ -69,9 +87,10 @@ def test_abort_mid_batch_and_closing_the_subscription(worker):
         sub = worker.subscribe("s2")
         await sub.__anext__()
         long = dict(PARAMS, max_tokens=400)
-        await worker.start("s2", "keep", _prompt(worker, 1), PARAMS)
-        await worker.start("s2", "cut", _prompt(worker, 2), long)
-        await worker.start("s2", "left", _prompt(worker, 3), long)
+        async with _held(worker, ["keep", "cut", "left"]):  # the three start together
+            await worker.start("s2", "keep", _prompt(worker, 1), PARAMS)
+            await worker.start("s2", "cut", _prompt(worker, 2), long)
+            await worker.start("s2", "left", _prompt(worker, 3), long)
         got: dict[str, list[dict]] = {}
         item = await sub.__anext__()  # first tokens of all three
         for rid, chunks in item["batch"].items():

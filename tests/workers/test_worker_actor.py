@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -31,14 +32,41 @@ def _collect(worker, rid: str, ids: list[int], n: int, delay: float) -> list[dic
     return asyncio.run(run())
 
 
+def _lockstep(worker, rid: str, ids: list[int], n: int, steps_per_read: int) -> list[dict]:
+    """A consumer that reads its next chunk only every `steps_per_read` engine steps: the
+    engine is held and stepped by hand, so how far behind the consumer is does not depend
+    on how fast this machine runs a step."""
+    async def run() -> list[dict]:
+        eng = worker.engine
+        await eng.pause()
+        try:
+            gen = worker.generate(rid, ids, {"max_tokens": n, "temperature": 0,
+                                             "ignore_eos": True})
+            first = asyncio.ensure_future(gen.__anext__())  # the request reaches the engine
+            while rid not in eng.unfinished_ids():
+                await asyncio.sleep(0.01)
+            await eng.step()
+            chunks = [await first]
+            while chunks[-1]["finish_reason"] is None:
+                for _ in range(steps_per_read):
+                    await eng.step()
+                chunks.append(await gen.__anext__())
+            return chunks
+        finally:
+            eng.unpause()
+
+    return asyncio.run(run())
+
+
 def test_slow_consumer_gets_coalesced_chunks(worker):
     ids = worker.engine.tokenizer.encode("Once upon a time")
     fast = _collect(worker, "fast", ids, 24, 0.0)
-    slow = _collect(worker, "slow", ids, 24, 0.3)  # far slower than a step of this small model
+    slow = _lockstep(worker, "slow", ids, 24, 3)  # three steps behind at every read
     tokens = [t for c in fast for t in c["token_ids"]]
     assert len(tokens) == 24 and [t for c in slow for t in c["token_ids"]] == tokens
     assert "".join(c["text"] for c in slow) == "".join(c["text"] for c in fast)
-    assert len(slow) < len(fast) and max(len(c["token_ids"]) for c in slow) > 1
+    # the first token goes at once; then each read takes the three steps made meanwhile
+    assert [len(c["token_ids"]) for c in slow] == [1] + [3] * 7 + [2]
     assert slow[-1]["finish_reason"] == "length" and slow[-1]["usage"][2] == 24
     assert all(c["worker_id"] == "worker-t" for c in slow)
 
@@ -53,25 +81,37 @@ def test_held_hashes_match_the_routers_hashing(worker):
 
 
 def test_bad_params_and_abort(worker):
-    async def run() -> tuple[list[dict], dict]:
+    async def run() -> tuple[list[dict], list[dict]]:
         bad = [c async for c in worker.generate("bad", [1, 2], {"top_p": 3})]
-        out = []
-        agen = worker.generate("long", [1, 2, 3], {"max_tokens": 400, "ignore_eos": True})
-        out.append(await agen.__anext__())
-        assert await worker.abort("long")
-        async for c in agen:
-            out.append(c)
-        await asyncio.sleep(0.2)
-        return bad, worker.engine.stats() | {"n": len(out)}
+        eng = worker.engine
+        await eng.pause()  # the stream is certainly still running when it is aborted
+        try:
+            agen = worker.generate("long", [1, 2, 3], {"max_tokens": 400, "ignore_eos": True})
+            first = asyncio.ensure_future(agen.__anext__())
+            while "long" not in eng.unfinished_ids():
+                await asyncio.sleep(0.01)
+            await eng.step()
+            out = [await first]
+            assert await worker.abort("long")
+            out += [c async for c in agen]
+        finally:
+            eng.unpause()
+        deadline = time.monotonic() + 30  # the engine thread frees it, then refreshes stats
+        while eng.stats()["running"] or eng.stats()["kv_blocks_used"]:
+            assert time.monotonic() < deadline, eng.stats()
+            await asyncio.sleep(0.05)
+        return bad, out
 
-    bad, stats = asyncio.run(run())
+    bad, out = asyncio.run(run())
     assert bad[0]["error"] == "invalid" and "top_p" in bad[0]["message"]
-    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert len(out) == 1 and len(out[0]["token_ids"]) == 1  # nothing after the abort
 
 
-def _chunks_with_interval(interval_ms: float) -> list[dict]:
+def _chunks_with_interval(interval_ms: float, steps_per_read: int = 0) -> list[dict]:
     w = WorkerActor("worker-p", ENGINE, stream_interval_ms=interval_ms)
     try:
+        if steps_per_read:
+            return _lockstep(w, "paced", [1, 2, 3, 4, 5], 16, steps_per_read)
         return _collect(w, "paced", [1, 2, 3, 4, 5], 16, 0.0)
     finally:
         w.engine.shutdown()
@@ -85,9 +125,9 @@ def test_paced_stream_sends_first_token_at_once_and_merges_the_rest():
 
 
 def test_unpaced_stream_sends_every_step():
-    chunks = _chunks_with_interval(0)
-    assert sum(len(c["token_ids"]) for c in chunks) == 16
-    assert len(chunks) > 8  # a consumer that keeps up gets (nearly) one chunk per step
+    chunks = _chunks_with_interval(0, steps_per_read=1)
+    # a consumer that keeps up (reads after every step) gets one chunk per step
+    assert [len(c["token_ids"]) for c in chunks] == [1] * 16
 
 
 def test_pacing_intervals():

@@ -10,6 +10,10 @@ Stream moves run on the step thread too, between steps: `export_stream` takes a 
 out (its consumer waits, in transit), then `hand_over` tells that consumer where it went
 (StreamMoved) or `import_stream` of the same snapshot puts it back. An imported stream's
 outputs wait for a consumer (`resume`); one nobody claims within CLAIM_TIMEOUT_S is aborted.
+
+`pause` holds the step loop between steps (requests, aborts, moves and stats are still taken;
+nothing advances) until `unpause`; `step` runs one step meanwhile. Fault drills and tests use
+it to hold a state (streams parked, a stream mid-generation) for as long as they need it.
 """
 
 from __future__ import annotations
@@ -65,13 +69,13 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
+        self._paused = False
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = \
             queue.SimpleQueue()
         self._moving: dict[str, _Stream] = {}  # exported, consumer waiting for the verdict
         self._unclaimed: dict[str, _Stream] = {}  # imported, no consumer yet
         self.moves = MoveCounters()
         self._parked = ParkedTracker()
-        self.parked: list[dict[str, Any]] = []  # parked streams, oldest first (router's view)
         self._stats: dict[str, Any] = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -161,9 +165,35 @@ class AsyncLLMEngine:
         self._aborts.put(request_id)
         self._wake.set()
 
+    @property
+    def parked(self) -> list[dict[str, Any]]:
+        """Parked streams, oldest first, their ages as of now (the router's view)."""
+        return self._parked.streams()
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of the last step (read without stopping the loop)."""
         return {**self._stats, **self.moves.as_stats()}
+
+    # ---- holding the step loop ---------------------------------------------------------------
+    async def pause(self) -> None:
+        """Stop stepping; returns once no step runs (one under way has completed). Requests,
+        aborts, moves and stats are still served between steps; nothing advances until
+        `step` or `unpause`."""
+        self._paused = True
+        await self._call(lambda: None)  # answered between steps, after the flag is seen
+
+    async def step(self) -> int:
+        """Run one step of a paused engine; returns how many outputs it made (0: nothing
+        to run)."""
+        return await self._call(self._step_now)
+
+    def unpause(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def shutdown(self) -> None:
         self._stop = True
@@ -175,7 +205,7 @@ class AsyncLLMEngine:
         eng = self.engine
         while not self._stop:
             self._drain()
-            if not eng.has_unfinished():
+            if self._paused or not eng.has_unfinished():
                 self._refresh()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
@@ -189,6 +219,19 @@ class AsyncLLMEngine:
             self._deliver(outs)
             self._refresh()
         self._fail_all(RuntimeError("engine shut down"))
+
+    def _step_now(self) -> int:
+        if not self.engine.has_unfinished():
+            return 0
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_all(e)
+            raise
+        self._deliver(outs)
+        self._refresh()
+        return len(outs)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their consumers: one callback per event loop, so that
@@ -213,7 +256,7 @@ class AsyncLLMEngine:
 
     def _refresh(self) -> None:
         self._stats = self.engine.stats()
-        self.parked = self._parked.view(self.engine)
+        self._parked.view(self.engine)
 
     def _drain(self) -> None:
         eng = self.engine
@@ -270,6 +313,7 @@ class AsyncLLMEngine:
             self._moving[rid] = st
         self.moves.moved_out += 1
         self.moves.snapshot_bytes_out += len(data)
+        self._refresh()  # a load answered next shows it gone, even before the next step
         return data
 
     def _import(self, data: bytes, loop: asyncio.AbstractEventLoop) -> str:
@@ -290,6 +334,7 @@ class AsyncLLMEngine:
             self.moves.moved_in += 1
             self.moves.snapshot_bytes_in += len(data)
         self._streams[rid] = st
+        self._refresh()  # a load answered next shows it parked here, even before a step
         return rid
 
     def _hand_over(self, rid: str, target: int) -> bool:

@@ -39,22 +39,47 @@ class MoveCounters:
 
 
 class ParkedTracker:
-    """When each parked stream was parked (the scheduler keeps only their order)."""
+    """How long each parked stream has spent parked (the scheduler keeps only their order).
+
+    The time counts every park of the stream on this engine, not just the current one: a
+    stream restored and evicted again between the router's polls would otherwise start from
+    zero each time, and one that is parked most of the time in short spells would never
+    reach the migration threshold. Ages are read at `streams` time, so a long step does not
+    make them stale."""
 
     def __init__(self) -> None:
-        self.since: dict[str, float] = {}
+        self.since: dict[str, float] = {}  # parked now: since when (first seen parked)
+        self.before: dict[str, float] = {}  # seconds parked in earlier spells (still unfinished)
+        self.last = 0.0  # when `view` last looked
+        self._view: tuple[float, list[dict[str, Any]]] = (0.0, [])
 
-    def view(self, eng: LLMEngine) -> list[dict[str, Any]]:
-        """Parked streams, oldest first: id, seconds parked, tokens and KV bytes to move."""
-        now = time.monotonic()
-        since = {s.request_id: self.since.get(s.request_id, now) for s in eng.scheduler.parked}
-        self.since = since
+    def view(self, eng: LLMEngine, now: float | None = None) -> list[dict[str, Any]]:
+        """Parked streams, oldest first: id, seconds parked, tokens and KV bytes to move.
+        Called on the step thread after each step."""
+        now = time.monotonic() if now is None else now
+        parked = eng.scheduler.parked
+        ids = {s.request_id for s in parked}
+        for rid, t in self.since.items():
+            if rid not in ids and rid in eng.seqs:  # restored (at the latest when last seen)
+                self.before[rid] = self.before.get(rid, 0.0) + max(0.0, self.last - t)
+        self.before = {r: t for r, t in self.before.items() if r in eng.seqs}
+        self.since = {rid: self.since.get(rid, now) for rid in ids}
+        self.last = now
         bpb = eng.runner.cache.bytes_per_block
         out = []
-        for s in eng.scheduler.parked:
+        for s in parked:
+            rid = s.request_id
             tokens = s.parked_kv.num_tokens if s.parked_kv is not None else 0
-            out.append({"request_id": s.request_id, "parked_s": now - since[s.request_id],
+            out.append({"request_id": rid,
+                        "parked_s": self.before.get(rid, 0.0) + now - self.since[rid],
                         "tokens": len(s.all_ids),
                         "kv_bytes": eng.kv.blocks_needed(tokens) * bpb,
                         "blocks_needed": eng.kv.blocks_needed(len(s.all_ids) + 1)})
+        self._view = (now, out)
         return out
+
+    def streams(self, now: float | None = None) -> list[dict[str, Any]]:
+        """The last view with its ages brought up to `now` (any thread)."""
+        at, out = self._view
+        gone = (time.monotonic() if now is None else now) - at
+        return [{**p, "parked_s": p["parked_s"] + gone} for p in out]
