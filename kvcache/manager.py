@@ -13,6 +13,9 @@ With a host tier attached, a new stream's prefix is looked up on the device
 first, then on host (served by copy into newly reserved blocks); device blocks
 whose cached content the allocator drops are listed in the plan so the runner
 can demote them to host before the forward overwrites them.
+
+The block tables also live in one persistent array (`block_tables.py`), a row per
+stream, written only where a step took blocks; steps read their rows from it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.block_tables import BlockTables
 from kvserve.kvcache.hashing import ROOT_HASH, hash_block
 
 if TYPE_CHECKING:
@@ -42,6 +46,7 @@ class StreamState:
     num_computed: int = 0  # tokens whose KV is written and valid
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_cached_prompt: int = 0  # tokens served from the prefix cache on admission
+    slot: int = -1  # the stream's row in the persistent block-table array
 
 
 @dataclass
@@ -52,6 +57,7 @@ class StreamStep:
     token_ids: list[int]  # every token known for the stream so far
     target: int
     resume: ParkedKV | None = None  # a parked stream coming back: its host tail is usable
+    pending: int = 0  # sampled tokens past `token_ids` still on the device (async scheduling)
 
 
 @dataclass
@@ -76,6 +82,7 @@ class PlannedStream:
     num_new_blocks: int = 0
     host_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) to copy in
     host_tokens: int = 0  # tokens of `start` served from host by copy
+    slot: int = -1  # row of `block_ids` in the persistent block-table array
 
 
 @dataclass
@@ -83,6 +90,7 @@ class StepPlan:
     streams: list[PlannedStream]
     token_ids: dict[str, list[int]]
     demoted: list[tuple[int, int]] = field(default_factory=list)  # (device block, hash) reused
+    tables: BlockTables | None = None  # every stream's row, `slot` of each planned stream
 
 
 # The empty new_blocks/cached_blocks/host_in of a running stream's plan (never mutated: rollback and
@@ -92,9 +100,15 @@ _NO_PAIRS: list[tuple[int, int]] = []
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_blocks_per_stream: int | None = None, slots: int = 16,
+                 pin_tables: bool = False) -> None:
+        """`max_blocks_per_stream` (default: the pool) is the block-table array's width; a
+        step that would grow a stream past it raises ValueError before changing anything.
+        `slots`: the array's initial rows (it grows when more streams run at once)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.tables = BlockTables(max_blocks_per_stream or num_blocks, slots, pin_tables)
         self.enable_prefix_caching = enable_prefix_caching
         self.streams: dict[str, StreamState] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -194,6 +208,7 @@ class KVCacheManager:
         new block); only new streams look up prefixes, revive cached blocks and pin host ones.
         """
         bs = self.block_size
+        width = self.tables.width
         streams = self.streams
         planned: list[PlannedStream] = []
         fresh: list[PlannedStream] = []  # the new streams among `planned`
@@ -207,8 +222,8 @@ class KVCacheManager:
                 raise ValueError(f"stream {sid!r} appears twice in one step")
             target = st.target
             token_ids[sid] = st.token_ids
-            if not 0 < target <= len(st.token_ids):
-                raise ValueError(f"target {target} outside 1..{len(st.token_ids)}")
+            if not 0 < target <= len(st.token_ids) + st.pending:
+                raise ValueError(f"target {target} outside 1..{len(st.token_ids) + st.pending}")
             state = streams.get(sid)
             if state is not None:
                 start = state.num_computed
@@ -217,12 +232,18 @@ class KVCacheManager:
                 n_new = -(-target // bs) - len(state.block_ids)
                 if n_new < 0:
                     n_new = 0
+                elif n_new + len(state.block_ids) > width:
+                    raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
                 need_new += n_new
                 planned.append(PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
-                                             False, n_new, _NO_PAIRS))
+                                             False, n_new, _NO_PAIRS, 0, state.slot))
                 continue
             if sid in self.held:
                 raise ValueError(f"stream {sid!r} is still being written back")
+            if st.pending:
+                raise ValueError(f"new stream {sid!r} cannot have tokens on the device")
+            if self.blocks_needed(target) > width:
+                raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
             hit = self.lookup_prefix(st.token_ids, target - 1, st.resume)
             cached = hit.device_blocks
             host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
@@ -260,6 +281,7 @@ class KVCacheManager:
         # allocate in plan order (block ids, and the cached blocks the allocator drops, do
         # not depend on which streams are new)
         allocate = self.pool.allocate
+        tables = self.tables
         for p in planned:
             if p.is_new:
                 state = streams[p.stream_id]
@@ -269,12 +291,15 @@ class KVCacheManager:
                 p.new_blocks = new
                 p.block_ids = state.block_ids
                 p.host_in = [(h, d) for (h, _), d in zip(p.host_in, new, strict=False)]
+                p.slot = state.slot = tables.add(state.block_ids)
             elif p.num_new_blocks:
-                new = allocate(p.num_new_blocks, after=p.block_ids[-1] if p.block_ids else None)
-                p.block_ids.extend(new)
+                ids = p.block_ids
+                new = allocate(p.num_new_blocks, after=ids[-1] if ids else None)
+                tables.write(p.slot, len(ids), new)
+                ids.extend(new)
                 p.new_blocks = new
         demoted, self._demoted = self._demoted, []
-        return StepPlan(planned, token_ids, demoted)
+        return StepPlan(planned, token_ids, demoted, tables)
 
     def _unpin(self, plan: StepPlan) -> None:
         if self.host is None:
@@ -297,8 +322,9 @@ class KVCacheManager:
             if not caching or len(state.block_hashes) >= target // bs:
                 continue
             tokens = plan.token_ids[p.stream_id]
+            full = min(target, len(tokens)) // bs  # a token still on the device: hashed later
             parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
-            for b in range(len(state.block_hashes), target // bs):
+            for b in range(len(state.block_hashes), full):
                 parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
                 state.block_hashes.append(parent)
                 self.pool.register(state.block_ids[b], parent)
@@ -316,6 +342,7 @@ class KVCacheManager:
             if p.is_new:
                 self.pool.release(reversed(p.cached_blocks))
                 del self.streams[p.stream_id]
+                self.tables.remove(state.slot)
                 self.prefix_queries -= p.target
                 self.prefix_hits -= p.start
 
@@ -324,12 +351,14 @@ class KVCacheManager:
         state = self.streams.pop(stream_id, None)
         if state is not None:
             self.pool.release(reversed(state.block_ids))
+            self.tables.remove(state.slot)
         self.release_held(stream_id)
 
     def hold(self, stream_id: str) -> StreamState:
         """Take a stream out of the batch but keep its blocks referenced (write-back in flight)."""
         state = self.streams.pop(stream_id)
         self.held[stream_id] = state.block_ids
+        self.tables.remove(state.slot)  # it leaves the batch; the blocks stay referenced
         return state
 
     def release_held(self, stream_id: str) -> None:
@@ -362,9 +391,16 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks
+        free_slots = set(self.tables.free_slots())
+        slots = set()
         for sid, s in self.streams.items():
             if len(s.block_ids) * self.block_size < s.num_computed:
                 raise AssertionError(f"stream {sid}: {s.num_computed} tokens in {len(s.block_ids)} blocks")
+            if s.slot in free_slots or s.slot in slots or not 0 <= s.slot < self.tables.slots:
+                raise AssertionError(f"stream {sid}: slot {s.slot} is free or shared")
+            slots.add(s.slot)
+            if self.tables.array[s.slot, : len(s.block_ids)].tolist() != s.block_ids:
+                raise AssertionError(f"stream {sid}: its block-table row differs from its blocks")
             for b in s.block_ids:
                 refs[b] += 1
         for blocks in self.held.values():
@@ -372,3 +408,5 @@ class KVCacheManager:
                 refs[b] += 1
         if refs != self.pool.ref_cnt:
             raise AssertionError("block reference counts do not match the block tables")
+        if len(slots) + len(free_slots) != self.tables.slots:
+            raise AssertionError("a block-table row is neither free nor owned by a stream")

@@ -51,9 +51,9 @@ def measure(model: str | None, batch: int, input_len: int, steps: int,
     spent = [0.0, 0.0]  # forward seconds (wall, thread CPU) in the current step
     forward = runner._forward
 
-    def timed_forward(plan: Any) -> Any:
+    def timed_forward(plan: Any, *rest: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = forward(plan)
+        out = forward(plan, *rest)
         spent[0] += time.perf_counter() - t0
         spent[1] += time.thread_time() - c0
         # build_step is pure: building once more, outside the subtracted time, leaves one

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +44,23 @@ def _is_run(blocks: list[int]) -> bool:
     return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
 
+def _sdpa_plan(q0: int, qlen: int, ctx: int, used: list[int], bs: int, device: torch.device) -> _StreamPlan:
+    """One stream's SDPA call: a zero-copy view of its KV when its blocks are consecutive."""
+    seq = ctx + qlen
+    if _is_run(used):
+        first, blocks = used[0] * bs, None
+    else:
+        first, blocks = -1, torch.tensor(used, dtype=torch.long, device=device)
+    mask, causal = None, False
+    if qlen > 1:
+        if ctx == 0:
+            causal = True
+        else:
+            qpos = torch.arange(ctx, seq, device=device).unsqueeze(1)
+            mask = torch.arange(seq, device=device).unsqueeze(0) <= qpos
+    return _StreamPlan(q0, q0 + qlen, seq, first, blocks, mask, causal)
+
+
 class TorchAttention:
     name = "torch"
 
@@ -55,8 +73,12 @@ class TorchAttention:
         self.threads = torch.get_num_threads()
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
-        bs = meta.block_size
         use_kernel = self.kernel is not None and device.type == "cpu"
+        inp = meta.inputs
+        if inp is not None and use_kernel:
+            meta.prepared = self._prepare_rows(meta, inp, device)
+            return
+        bs = meta.block_size
         plans: list[_StreamPlan] = []
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
@@ -71,18 +93,7 @@ class TorchAttention:
                 dec_lens.append(seq)
                 q0 += 1
                 continue
-            if _is_run(used):
-                first, blocks = used[0] * bs, None
-            else:
-                first, blocks = -1, torch.tensor(used, dtype=torch.long, device=device)
-            mask, causal = None, False
-            if qlen > 1:
-                if ctx == 0:
-                    causal = True
-                else:
-                    qpos = torch.arange(ctx, seq, device=device).unsqueeze(1)
-                    mask = torch.arange(seq, device=device).unsqueeze(0) <= qpos
-            plans.append(_StreamPlan(q0, q0 + qlen, seq, first, blocks, mask, causal))
+            plans.append(_sdpa_plan(q0, qlen, ctx, used, bs, device))
             q0 += qlen
         step = _StepPlan(plans, None, None, None, all_decode=not plans)
         if dec_rows:
@@ -95,6 +106,33 @@ class TorchAttention:
             if plans:
                 step.dec_rows = torch.tensor(dec_rows, dtype=torch.long)
         meta.prepared = step
+
+    @staticmethod
+    def _prepare_rows(meta: AttentionMetadata, inp, device: torch.device) -> _StepPlan:
+        """From the runner's arrays: the decode streams' block tables are one gather from
+        their rows of the persistent array (no per-stream Python); only prefill chunks get a
+        per-stream SDPA plan."""
+        bs = meta.block_size
+        qlens, ctxs = inp.query_lens, inp.context_lens
+        dec = qlens == 1
+        n_dec = int(dec.sum())
+        plans: list[_StreamPlan] = []
+        if n_dec < len(qlens):
+            q_end = inp.logits_indices + 1
+            for i in np.flatnonzero(~dec).tolist():
+                q, ctx = int(qlens[i]), int(ctxs[i])
+                used = meta.block_tables[i][: -(-(ctx + q) // bs)]
+                plans.append(_sdpa_plan(int(q_end[i]) - q, q, ctx, used, bs, device))
+        step = _StepPlan(plans, None, None, None, all_decode=not plans)
+        if n_dec:
+            rows = inp.rows if not plans else inp.rows[dec]
+            lens = (ctxs + 1) if not plans else ctxs[dec] + 1
+            width = -(-int(lens.max()) // bs)
+            step.dec_tables = torch.from_numpy(np.ascontiguousarray(inp.tables[rows, :width]))
+            step.dec_lens = torch.from_numpy(lens.astype(np.int32))
+            if plans:
+                step.dec_rows = torch.from_numpy(inp.logits_indices[dec])
+        return step
 
     def forward(
         self,
