@@ -1,4 +1,11 @@
-"""LLMEngine: requests in, one scheduled step at a time, incremental outputs out."""
+"""LLMEngine: requests in, one scheduled step at a time, incremental outputs out.
+
+With asynchronous scheduling (`EngineConfig.async_scheduling`) a step is planned and
+launched before the previous step's sampled ids reach the host: those stay on the device as
+the new step's inputs, and the previous step's tokens are appended, checked for stops and
+detokenized while the new step runs, so `step()` returns the outputs one step behind. A
+stream that finished with them is not sampled in the new step and its KV is freed after it.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +13,21 @@ import itertools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.kvcache.manager import StepPlan
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
-from kvserve.workers.engine.sampler import Sampler, make_generator
+from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
-from kvserve.workers.model.runner import DTYPES, ModelRunner, Progress
+from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,10 @@ class LLMEngine:
             config.max_evictions_per_request,
         )
         self.sampler = Sampler(config.seed)
+        self.async_scheduling = config.resolved_async_scheduling()
+        # the launched step whose ids are still on the device: its sampled streams and ids
+        self._inflight: tuple[list[Sequence], SampledBatch] | None = None
+        self._carry: list[RequestOutput] = []  # outputs of a step resolved between steps
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._ids = itertools.count()
@@ -130,48 +143,135 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._carry)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced tokens or finished.
+        """Run one step; return an output for every request that produced tokens or finished
+        (under asynchronous scheduling: in the step before).
 
         `finished_only`: outputs for finished requests only (callers that never stream skip
         building one per running request per step).
         """
+        if self.async_scheduling:
+            return self._step_async(finished_only)
         plan, seqs = self.scheduler.schedule()
         if plan is None:
             return []
         logits = self.runner.run(plan)
+        rows, sample_seqs = self._sampling_rows(plan, seqs)
+        if not rows:
+            return []
+        outputs, finished = self._append(sample_seqs, self._sample(logits, rows, sample_seqs).result(),
+                                         finished_only)
+        if finished:
+            self.scheduler.finish(finished)
+        return outputs
+
+    def _step_async(self, finished_only: bool) -> list[RequestOutput]:
+        """Plan and launch step N+1, then append step N's tokens (the wait is for step N's
+        ids only), then sample step N+1 with every stream's tokens up to date (penalties and
+        min_tokens see them) and commit it."""
+        outputs, self._carry = self._carry, []
+        plan, seqs = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        logits = None
+        if plan is not None:
+            dev = None
+            if prev is not None:
+                idx = [i for i, s in enumerate(seqs) if s.inflight_row >= 0]
+                if idx:
+                    dev = DeviceTokens(np.array(idx), np.array([seqs[i].inflight_row for i in idx]),
+                                       prev[1].tokens)
+            try:
+                logits = self.runner.launch(plan, dev)
+            except BaseException:
+                self._inflight = prev  # its tokens are still to be appended
+                raise
+        finished: list[Sequence] = []
+        if prev is not None:
+            outs, finished = self._resolve(prev, finished_only)
+            outputs += outs
+        if plan is not None:
+            assert logits is not None
+            rows, sample_seqs = self._sampling_rows(plan, seqs)
+            if rows:
+                sampled = self._sample(logits, rows, sample_seqs)
+                for j, s in enumerate(sample_seqs):
+                    s.inflight_row = j
+                self._inflight = (sample_seqs, sampled)
+            self.kv.commit(plan)
+        if finished:
+            self.scheduler.finish(finished)  # after the commit: their KV was in this step
+        return outputs
+
+    def _resolve(self, batch: tuple[list[Sequence], SampledBatch],
+                 finished_only: bool) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Append a launched step's tokens (waiting for its ids); streams aborted since drop
+        theirs."""
+        seqs, sampled = batch
+        res = sampled.result()
+        live = [s.status is not Status.FINISHED for s in seqs]
+        for s in seqs:
+            s.inflight_row = -1
+        if all(live):
+            return self._append(seqs, res, finished_only)
+        keep = [j for j, ok in enumerate(live) if ok]
+        lps, tops = res.logprobs, res.top_logprobs
+        res.token_ids = [res.token_ids[j] for j in keep]
+        res.logprobs = None if lps is None else [lps[j] for j in keep]
+        res.top_logprobs = None if tops is None else [tops[j] for j in keep]
+        return self._append([seqs[j] for j in keep], res, finished_only)
+
+    def flush(self) -> None:
+        """Append the tokens of a launched step now (their outputs come with the next
+        `step()`): a stream's state is then whole, as a snapshot needs it."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return
+        outs, finished = self._resolve(prev, False)
+        self._carry += outs
+        if finished:
+            self.scheduler.finish(finished)
+
+    def _sampling_rows(self, plan: StepPlan, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """The logits rows to sample: streams whose step reached their last known token (and
+        not finished meanwhile); admissions are accounted here."""
         # per-stream host work below runs for every stream every step: keep it to a few
-        # attribute reads and one output each
+        # attribute reads each
         rows: list[int] = []
         sample_seqs: list[Sequence] = []
         computed = 0
+        done = Status.FINISHED
         for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
             computed += p.target - p.start
             if p.is_new:
                 self._account_admission(s, p.start, p.host_tokens)
-            if p.target == len(s.prompt_ids) + len(s.output_ids):
+            if p.target == len(s.all_ids) and s.status is not done:
                 rows.append(i)
                 sample_seqs.append(s)
         self.prompt_tokens_computed += computed
-        outputs: list[RequestOutput] = []
-        if not rows:
-            return outputs
-        sel = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
-        res = self.sampler(
+        return rows, sample_seqs
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampledBatch:
+        sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        return self.sampler.sample(
             sel,
-            [s.params for s in sample_seqs],
-            [s.prompt_ids for s in sample_seqs],
-            [s.output_ids for s in sample_seqs],
-            [s.generator for s in sample_seqs],
+            [s.params for s in seqs],
+            [s.prompt_ids for s in seqs],
+            [s.output_ids for s in seqs],
+            [s.generator for s in seqs],
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
+
+    def _append(self, seqs: list[Sequence], res: SamplerOutput,
+                finished_only: bool) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Add each stream's sampled token (stop checks, detokenization) and build outputs."""
         lps, tops = res.logprobs, res.top_logprobs
+        outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
         done = Status.FINISHED
-        for j, (s, tok) in enumerate(zip(sample_seqs, res.token_ids, strict=True)):
+        for j, (s, tok) in enumerate(zip(seqs, res.token_ids, strict=True)):
             s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
             if s.status is done:
                 finished.append(s)
@@ -181,10 +281,8 @@ class LLMEngine:
                 s.skip_delta()  # the final output's delta stays what streaming would show
             else:
                 outputs.append(s.to_output(1))
-        self.generated_tokens += len(sample_seqs)
-        if finished:
-            self.scheduler.finish(finished)
-        return outputs
+        self.generated_tokens += len(seqs)
+        return outputs, finished
 
     def _account_admission(self, s: Sequence, start: int, host_tokens: int) -> None:
         parked = s.parked_kv
@@ -203,6 +301,7 @@ class LLMEngine:
         this engine (its blocks here are freed)."""
         from kvserve.workers.engine.snapshot import export_stream
 
+        self.flush()  # its last sampled token belongs in the snapshot
         return export_stream(self, request_id)
 
     def import_stream(self, data: bytes, request_id: str | None = None) -> str:

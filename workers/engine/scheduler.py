@@ -16,6 +16,12 @@ copy has completed. Without one, the blocks are freed at once (they stay in the
 prefix cache) and the lost part is recomputed. Parked streams come back before
 any new request, FIFO by park time, as soon as they fit with headroom: device
 prefix hits first, then host hits by copy, then recompute for the rest.
+
+Under asynchronous scheduling a running stream may have one sampled token still on the
+device (`Sequence.inflight_row`): it is planned one token further, with that token as its
+input. A stream that will certainly finish with that token (its length limit) is not
+planned again, one with `requires_sync` waits for the token, and a parked stream is not
+admitted until its last token has arrived.
 """
 
 from __future__ import annotations
@@ -87,9 +93,15 @@ class Scheduler:
         self.kv.free(seq.request_id)
 
     def finish(self, seqs: list[Sequence]) -> None:
-        """Drop streams that finished while running, in one pass over the running list."""
+        """Drop finished streams, in one pass over the running list (under asynchronous
+        scheduling a stream may finish after it was parked: it leaves that queue too)."""
         gone = set(seqs)
+        n = len(self.running)
         self.running[:] = [s for s in self.running if s not in gone]
+        if n - len(self.running) != len(seqs):
+            for q in (self.parked, self.waiting):
+                for s in [s for s in q if s in gone]:
+                    q.remove(s)
         for seq in seqs:
             self.release_parked(seq)
             self.kv.free(seq.request_id)
@@ -174,6 +186,7 @@ class Scheduler:
         states = kv.streams
         for s in self.running:
             ids = s.all_ids
+            pending = 1 if s.inflight_row >= 0 else 0
             state = states.get(s.request_id)
             if state is None:
                 done = have = 0
@@ -185,10 +198,12 @@ class Scheduler:
                 headroom += grow if grow < lookahead else lookahead
             if budget <= 0:
                 continue
-            n = len(ids) - done
+            if pending and (s.requires_sync or len(ids) + 1 >= s.max_len):
+                continue  # waits for its token, or finishes with it
+            n = len(ids) + pending - done
             if n > budget:
                 n = budget
-            steps.append(StreamStep(s.request_id, ids, done + n))
+            steps.append(StreamStep(s.request_id, ids, done + n, None, pending))
             seqs.append(s)
             budget -= n
             grow = -(-(done + n) // bs) - have
@@ -203,8 +218,8 @@ class Scheduler:
         ):
             queue = self.parked if self.parked else self.waiting  # parked streams first
             s = queue[0]
-            if s.request_id in kv.held:
-                break  # its write-back is still in flight
+            if s.request_id in kv.held or s.inflight_row >= 0:
+                break  # its write-back, or its last token, is still in flight
             ids = s.all_ids
             hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv)
             cached = hit.num_tokens

@@ -36,7 +36,9 @@ class Sequence:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
-        self._all: list[int] = list(prompt_ids)  # prompt + output, grown in place
+        # prompt + output ids, one list grown per token (not rebuilt every step); read-only
+        # for everyone else (`set_output_ids` replaces both)
+        self.all_ids: list[int] = list(prompt_ids)
         self.params = params
         self.generator = generator
         self.arrival = arrival
@@ -50,9 +52,24 @@ class Sequence:
         # set while the stream is evicted (parked) and until its first step back has run
         self.parked_kv: ParkedKV | None = None
         self.num_evictions = 0
+        # asynchronous scheduling: the row of this stream's next token in the last launched
+        # step's sampled ids while that token is still on the device (-1: none in flight)
+        self.inflight_row = -1
+        # set by a feature that needs each token on the host before the next step is planned
+        # (e.g. a grammar mask built from it): the scheduler then waits for the stream's last
+        # token before scheduling it again, so its own steps never overlap
+        self.requires_sync = False
         self.max_model_len = max_model_len
+        # the most tokens this stream can reach (prompt + max_tokens, capped by the model)
+        self.max_len = min(max_model_len, len(prompt_ids) + params.max_tokens)
         self.eos_ids = set(tokenizer.eos_token_ids)
+        # what a token is checked against every step, worked out once
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        self._min_tokens = params.min_tokens
+        self._stops = bool(params.stop)
+        self._max_out = self.max_len - len(prompt_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._detok_push = self.detok.push
         self.text = ""  # output text, stop string excluded unless asked
         self.emitted = 0  # characters of `text` already streamed
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
@@ -62,42 +79,33 @@ class Sequence:
         # the longest stop string minus one char: text that may still become a stop match
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
-    @property
-    def max_len(self) -> int:
-        """The most tokens this stream can reach (prompt + max_tokens, capped by the model)."""
-        return min(self.max_model_len, len(self.prompt_ids) + self.params.max_tokens)
-
-    @property
-    def all_ids(self) -> list[int]:
-        """Prompt + output ids, one list grown per token (not rebuilt every step); treat
-        it as read-only."""
-        if len(self._all) != len(self.prompt_ids) + len(self.output_ids):  # output_ids replaced
-            self._all = self.prompt_ids + self.output_ids
-        return self._all
+    def set_output_ids(self, ids: list[int]) -> None:
+        """Replace the generated ids (a snapshot resuming here)."""
+        self.output_ids = list(ids)
+        self.all_ids = self.prompt_ids + self.output_ids
 
     def append(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
-        """Add a sampled token and check every stop condition."""
+        """Add a sampled token and check every stop condition (runs for every stream every
+        step: the common case is a few list appends, one set lookup and one detokenizer push)."""
         out = self.output_ids
         out.append(token)
-        self._all.append(token)
+        self.all_ids.append(token)
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
         if top is not None and self.top_logprobs is not None:
             self.top_logprobs.append(top)
-        p = self.params
         n_out = len(out)
-        if ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids) \
-                and n_out >= p.min_tokens:
+        if token in self._stop_ids and n_out >= self._min_tokens:
             self.text += self.detok.flush()
             self._finish("stop", token)
             return
         prev = len(self.text)
-        delta = self.detok.step([token])
+        delta = self._detok_push(token)
         if delta:
             self.text += delta
-        if p.stop and n_out >= p.min_tokens and self._check_stop_strings(prev):
+        if self._stops and n_out >= self._min_tokens and self._check_stop_strings(prev):
             return
-        if n_out >= p.max_tokens or len(self.prompt_ids) + n_out >= self.max_model_len:
+        if n_out >= self._max_out:
             self.text += self.detok.flush()
             self._finish("length", None)
 
@@ -145,18 +153,10 @@ class Sequence:
             delta_ids = [out[-1]]
         else:
             delta_ids = out[n - delta_tokens :] if delta_tokens else []
+        # positional: this runs for every stream every step
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_ids,
-            text=self.text,
-            token_ids=out[:],
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs,
-            usage=Usage(len(self.prompt_ids), self.num_cached_prompt, n),
-            delta_token_ids=delta_ids,
-            delta_text=self.text_delta(),
-            queue_s=None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
+            self.request_id, self.prompt, self.prompt_ids, self.text, out[:], self.finish_reason,
+            self.stop_reason, self.logprobs, self.top_logprobs,
+            Usage(len(self.prompt_ids), self.num_cached_prompt, n), delta_ids, self.text_delta(),
+            None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
         )

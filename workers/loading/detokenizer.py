@@ -196,6 +196,12 @@ class IncrementalDetokenizer:
             self._parts.append(delta)
         return delta
 
+    def push(self, token_id: int) -> str:
+        """`step([token_id])` without the list: one generated id per engine step."""
+        if self._pieces is not None:
+            return self._byte_step(token_id)
+        return self.step([token_id])
+
     def step(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (possibly "")."""
         if self._pieces is not None:
