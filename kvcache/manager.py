@@ -2,10 +2,11 @@
 
 Every stream (one sequence) owns a block table and attends only to its own
 KV. A step is planned first: `reserve` checks that every block the step will
-write fits, and only then takes them; if they do not fit it raises
-`KVCacheFull` and nothing has changed. After the forward pass succeeds,
-`commit` records the computed tokens and publishes newly full blocks to the
-prefix cache; if the forward raised, `rollback` returns the reserved blocks.
+write fits, and only then takes them and advances the streams to the step's
+targets; if they do not fit it raises `KVCacheFull` and nothing has changed.
+After the forward pass succeeds, `commit` publishes newly full blocks to the
+prefix cache; if the forward raised, `rollback` returns the reserved blocks and
+puts the streams back where they were.
 Writes only ever touch a stream's private tail blocks (shared blocks are full
 and immutable), so a failed step cannot corrupt another stream's KV.
 
@@ -43,10 +44,12 @@ class KVCacheFull(Exception):
 @dataclass
 class StreamState:
     block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is written and valid
+    # tokens whose KV is written and valid, or whose writing the reserved step queued
+    num_computed: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_cached_prompt: int = 0  # tokens served from the prefix cache on admission
     slot: int = -1  # the stream's row in the persistent block-table array
+    plan: PlannedStream | None = None  # its part of the last plan, reused by the next one
 
 
 @dataclass
@@ -83,6 +86,7 @@ class PlannedStream:
     host_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) to copy in
     host_tokens: int = 0  # tokens of `start` served from host by copy
     slot: int = -1  # row of `block_ids` in the persistent block-table array
+    state: StreamState | None = None  # the stream's state (set once reserved)
 
 
 @dataclass
@@ -91,6 +95,9 @@ class StepPlan:
     token_ids: dict[str, list[int]]
     demoted: list[tuple[int, int]] = field(default_factory=list)  # (device block, hash) reused
     tables: BlockTables | None = None  # every stream's row, `slot` of each planned stream
+    restores: list[PlannedStream] = field(default_factory=list)  # new streams with host_in
+    num_tokens: int = 0  # tokens the step computes (sum of target - start)
+    publish: list[PlannedStream] = field(default_factory=list)  # streams that fill a block
 
 
 # The empty new_blocks/cached_blocks/host_in of a running stream's plan (never mutated: rollback and
@@ -204,17 +211,33 @@ class KVCacheManager:
     def reserve(self, steps: list[StreamStep]) -> StepPlan:
         """Reserve every block the step writes, all or nothing.
 
-        A running stream costs a few attribute reads here (its decode step usually needs no
-        new block); only new streams look up prefixes, revive cached blocks and pin host ones.
+        A running stream costs a few attribute reads and writes here, while its state is in
+        cache (its decode step usually needs no new block, its `num_computed` advances here
+        rather than in commit, and its PlannedStream object is the one of its last step,
+        updated: commit or roll back a plan before reserving the next); only new streams look
+        up prefixes, revive cached blocks and pin host ones.
         """
+        planned: list[PlannedStream] = []
+        try:
+            return self._reserve(steps, planned)
+        except BaseException:
+            for p in planned:  # running streams advanced before the step was refused
+                if not p.is_new:
+                    p.state.num_computed = p.start  # type: ignore[union-attr]
+            raise
+
+    def _reserve(self, steps: list[StreamStep], planned: list[PlannedStream]) -> StepPlan:
         bs = self.block_size
         width = self.tables.width
         streams = self.streams
-        planned: list[PlannedStream] = []
+        caching = self.enable_prefix_caching
         fresh: list[PlannedStream] = []  # the new streams among `planned`
+        takers: list[PlannedStream] = []  # streams that take blocks, in plan order
+        publish: list[PlannedStream] = []  # streams whose step fills a block
         # blocks revived from the free-but-cached state reduce what is free for new blocks
         revived: set[int] = set()
         need_new = 0
+        num_tokens = 0
         token_ids: dict[str, list[int]] = {}
         for st in steps:
             sid = st.stream_id
@@ -229,14 +252,28 @@ class KVCacheManager:
                 start = state.num_computed
                 if target <= start:
                     raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
-                n_new = -(-target // bs) - len(state.block_ids)
-                if n_new < 0:
-                    n_new = 0
-                elif n_new + len(state.block_ids) > width:
-                    raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
-                need_new += n_new
-                planned.append(PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
-                                             False, n_new, _NO_PAIRS, 0, state.slot))
+                have = len(state.block_ids)
+                n_new = -(-target // bs) - have
+                p = state.plan
+                if p is None or p.is_new:  # its first step as a running stream
+                    p = state.plan = PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
+                                                   False, 0, _NO_PAIRS, 0, state.slot, state)
+                p.start = start
+                p.target = target
+                num_tokens += target - start
+                p.new_blocks = _NONE
+                if n_new > 0:
+                    if n_new + have > width:
+                        raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
+                    need_new += n_new
+                    p.num_new_blocks = n_new
+                    takers.append(p)
+                else:
+                    p.num_new_blocks = 0
+                state.num_computed = target
+                planned.append(p)
+                if caching and target // bs > len(state.block_hashes):
+                    publish.append(p)
                 continue
             if sid in self.held:
                 raise ValueError(f"stream {sid!r} is still being written back")
@@ -256,8 +293,12 @@ class KVCacheManager:
             ps = PlannedStream(sid, start, target, [], [], cached, True, n_new)
             ps.host_in = [(h, -1) for h in host_ids]
             ps.host_tokens = start - len(cached) * bs
+            num_tokens += target - start
             planned.append(ps)
             fresh.append(ps)
+            takers.append(ps)
+            if caching and target // bs > len(cached):
+                publish.append(ps)
         free_after_revive = self.pool.num_free - len(revived)
         if need_new > free_after_revive:
             raise KVCacheFull(need_new + len(revived), self.pool.num_free)
@@ -267,22 +308,23 @@ class KVCacheManager:
         # of this step is about to share.
         for p in fresh:
             self.pool.touch(p.cached_blocks)
-            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.start)
+            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.target)
             state.num_cached_prompt = p.start
+            state.plan, p.state = p, state
             state.block_hashes = self._hashes_of(p.cached_blocks)
             streams[p.stream_id] = state
             self.prefix_queries += p.target
             self.prefix_hits += p.start
+        restores = [p for p in fresh if p.host_in]
         if self.host is not None:
-            for p in fresh:
-                if p.host_in:
-                    # pinned until commit/rollback: the copy below the plan reads them
-                    self.host.pin([h for h, _ in p.host_in])
+            for p in restores:
+                # pinned until commit/rollback: the copy below the plan reads them
+                self.host.pin([h for h, _ in p.host_in])
         # allocate in plan order (block ids, and the cached blocks the allocator drops, do
         # not depend on which streams are new)
         allocate = self.pool.allocate
         tables = self.tables
-        for p in planned:
+        for p in takers:
             if p.is_new:
                 state = streams[p.stream_id]
                 last = state.block_ids[-1] if state.block_ids else None
@@ -292,37 +334,31 @@ class KVCacheManager:
                 p.block_ids = state.block_ids
                 p.host_in = [(h, d) for (h, _), d in zip(p.host_in, new, strict=False)]
                 p.slot = state.slot = tables.add(state.block_ids)
-            elif p.num_new_blocks:
+            else:
                 ids = p.block_ids
                 new = allocate(p.num_new_blocks, after=ids[-1] if ids else None)
                 tables.write(p.slot, len(ids), new)
                 ids.extend(new)
                 p.new_blocks = new
         demoted, self._demoted = self._demoted, []
-        return StepPlan(planned, token_ids, demoted, tables)
+        return StepPlan(planned, token_ids, demoted, tables, restores, num_tokens, publish)
 
     def _unpin(self, plan: StepPlan) -> None:
         if self.host is None:
             return
-        for p in plan.streams:
+        for p in plan.restores:
             if p.host_in:
                 self.host.unpin([h for h, _ in p.host_in])
                 p.host_in = []
 
     def commit(self, plan: StepPlan) -> None:
-        """The step's KV is written: advance the streams and publish full blocks."""
+        """The step's KV is written: publish the blocks it filled to the prefix cache."""
         bs = self.block_size
         self._unpin(plan)
-        streams = self.streams
-        caching = self.enable_prefix_caching
-        for p in plan.streams:
-            state = streams[p.stream_id]
-            target = state.num_computed = p.target
-            # most decode steps fill no block: nothing to hash
-            if not caching or len(state.block_hashes) >= target // bs:
-                continue
+        for p in plan.publish:  # most decode steps fill no block: nothing to hash
+            state: StreamState = p.state  # type: ignore[assignment]
             tokens = plan.token_ids[p.stream_id]
-            full = min(target, len(tokens)) // bs  # a token still on the device: hashed later
+            full = min(p.target, len(tokens)) // bs  # a token still on the device: hashed later
             parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
             for b in range(len(state.block_hashes), full):
                 parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
@@ -330,7 +366,8 @@ class KVCacheManager:
                 self.pool.register(state.block_ids[b], parent)
 
     def rollback(self, plan: StepPlan) -> None:
-        """The step failed: return its reserved blocks; computed KV stays as it was."""
+        """The step failed: return its reserved blocks; streams go back to what they had
+        computed before it."""
         self._unpin(plan)
         for p in reversed(plan.streams):
             state = self.streams.get(p.stream_id)
@@ -345,6 +382,8 @@ class KVCacheManager:
                 self.tables.remove(state.slot)
                 self.prefix_queries -= p.target
                 self.prefix_hits -= p.start
+            else:
+                state.num_computed = p.start
 
     def free(self, stream_id: str) -> None:
         """Release a stream's blocks (tail first, so its prefix stays cached longest)."""

@@ -37,6 +37,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="CUDA: run every step eagerly instead of replaying CUDA graphs"
     )
+    cuda_graph_max_tokens: int = Field(
+        2048, ge=0, description="CUDA: steps with prompt tokens up to this many tokens replay "
+        "CUDA graphs too (by token and stream count); 0 = decode steps only",
+    )
     async_scheduling: bool | None = Field(
         None, description="plan and launch step N+1 while step N runs, its sampled ids staying "
         "on the device; None = on for CUDA, off on the CPU (no device to overlap with)",

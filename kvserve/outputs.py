@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass
-class Usage:
+class Usage(NamedTuple):
+    """Token counts of a request (a tuple: an output per stream per step makes one)."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0
@@ -16,8 +18,12 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass
+@dataclass(slots=True)  # one per stream per step: slots make it smaller and quicker to build
 class RequestOutput:
+    """One request's state after an engine step. While the request runs, `token_ids`,
+    `logprobs` and `top_logprobs` are its live lists, which keep growing after the output
+    was made: read them up to `usage.completion_tokens`, or use the delta fields."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

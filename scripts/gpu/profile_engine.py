@@ -6,16 +6,17 @@ Workloads:
   pressure  LLM.generate with the device KV pool at half the need (the pressure bench),
             with the host tier (--host-gib) or recompute (--host-gib 0)
 
-It prints: steps by kind (decode or with prompt tokens; graph replay or eager), host time
-per engine phase (scheduling, KV plan and commit, step inputs, launch, waits for sampled
-ids, sampling, token appends with stop checks, detokenization and outputs, evictions and
-host-tier copies), and from the profiler the device time of kernels, copies by direction
-and host-side synchronisations (on the CPU: the top operators). Runs on the CPU too (a small
-model, small sizes), which is how it is tested.
+It runs the workload twice. The first run prints steps by kind (decode or with prompt tokens;
+graph replay or eager) and host time per engine phase (scheduling, KV plan and commit, step
+inputs, launch, waits for sampled ids, sampling, token appends with stop checks,
+detokenization and outputs, evictions and host-tier copies). The second runs under
+torch.profiler (it slows the host) and prints the device time of kernels, copies by
+direction and host-side synchronisations (on the CPU: the top operators). Runs on the CPU
+too (a small model, small sizes), which is how it is tested.
 
 Usage: python scripts/gpu/profile_engine.py MODEL [BATCH] [--workload decode|generate|pressure]
            [--num-prompts N] [--input-len L] [--output-len L] [--steps S] [--trace FILE.json]
-           [--async-scheduling on|off] [--host-gib G] [--kv-cache-tokens T]
+           [--async-scheduling on|off] [--host-gib G] [--kv-cache-tokens T] [--no-profiler]
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class Phases:
                 self.calls[phase] += 1
 
         self.replace(owner, name, timed)
+
+    def reset(self) -> None:
+        """Count from here (a workload's timed part)."""
+        self.seconds.clear()
+        self.calls.clear()
+        self.steps.clear()
 
     def replace(self, owner: Any, name: str, new: Any) -> None:
         had = name in vars(owner)
@@ -136,8 +143,8 @@ def profiler_report(prof: Any, cuda: bool) -> None:
     print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
 
 
-def workload(args: argparse.Namespace, llm: LLM) -> tuple[float, int]:
-    """Run the workload; returns (wall seconds, generated tokens)."""
+def workload(args: argparse.Namespace, llm: LLM, ph: Phases | None = None) -> tuple[float, int]:
+    """Run the workload; returns (wall seconds, generated tokens) of its timed part."""
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -155,6 +162,8 @@ def workload(args: argparse.Namespace, llm: LLM) -> tuple[float, int]:
             eng.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        if ph is not None:
+            ph.reset()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
@@ -162,10 +171,16 @@ def workload(args: argparse.Namespace, llm: LLM) -> tuple[float, int]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         print(f"engine B={args.batch}: {wall / args.steps * 1e3:.3f} ms/step decode")
+        for rid in list(eng.seqs):  # done: the next run starts from an idle engine
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
         return wall, args.steps * args.batch
     n = args.output_len
     p = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
     ps = prompts(args.num_prompts, args.input_len)
+    if ph is not None:
+        ph.reset()
     t0 = time.perf_counter()
     outs = llm.generate(ps, p)
     wall = time.perf_counter() - t0
@@ -188,7 +203,8 @@ def main() -> int:
     ap.add_argument("--host-gib", type=float, default=None, help="pressure: host tier (0: recompute)")
     ap.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    ap.add_argument("--trace", default=None, help="also write the profiled run's Chrome trace here")
+    ap.add_argument("--no-profiler", action="store_true", help="the timed run only")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     need = (args.num_prompts if args.workload != "decode" else args.batch) * (
@@ -210,16 +226,20 @@ def main() -> int:
     llm.generate([[100 + i] * 16 for i in range(4)], warm)  # first-call costs out of the figures
     ph = Phases()
     instrument(llm, ph)
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     try:
-        with torch.profiler.profile(activities=acts) as prof:
-            wall, toks = workload(args, llm)
+        wall, toks = workload(args, llm, ph)
     finally:
         ph.undo()
     stats = eng.stats()
     print(f"wall {wall:.3f} s, {toks} tokens; evictions {stats['evictions']}, restores {stats['restores']}, "
           f"tokens restored {stats['tokens_restored_copy']}, recomputed {stats['tokens_recomputed']}")
     ph.report(wall)
+    if args.no_profiler:
+        return 0
+    print("--- the same workload again, under torch.profiler")
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        workload(args, llm)
     profiler_report(prof, cuda)
     if args.trace:
         prof.export_chrome_trace(args.trace)

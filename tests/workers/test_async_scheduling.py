@@ -25,7 +25,8 @@ def path(tmp_path_factory) -> str:
 def engine(path: str, overlap: bool, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_tokens", 4096)
     kw.setdefault("host_cache_gib", 0)
-    return LLM(path, block_size=BS, async_scheduling=overlap, **kw).engine
+    # float32 everywhere: on a GPU host this runs the CUDA path (graphs, ids on the device)
+    return LLM(path, block_size=BS, async_scheduling=overlap, dtype="float32", **kw).engine
 
 
 def prompts(n: int, seed: int, lo: int = 5, hi: int = 30) -> list[list[int]]:
@@ -193,8 +194,9 @@ def test_stream_that_requires_sync_steps(path):
 def test_llm_generate_is_the_same(path):
     ps = prompts(8, seed=8)
     sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    a = LLM(path, block_size=BS, kv_cache_tokens=2048, async_scheduling=False).generate(ps, sp)
-    llm = LLM(path, block_size=BS, kv_cache_tokens=2048, async_scheduling=True)
+    a = LLM(path, block_size=BS, kv_cache_tokens=2048, async_scheduling=False,
+            dtype="float32").generate(ps, sp)
+    llm = LLM(path, block_size=BS, kv_cache_tokens=2048, async_scheduling=True, dtype="float32")
     b = llm.generate(ps, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.text for o in a] == [o.text for o in b]

@@ -194,7 +194,7 @@ class LLMEngine:
             outputs += outs
         if plan is not None:
             assert logits is not None
-            rows, sample_seqs = self._sampling_rows(plan, seqs)
+            rows, sample_seqs = self._sampling_rows(plan, seqs, bool(finished))
             if rows:
                 sampled = self._sample(logits, rows, sample_seqs)
                 for j, s in enumerate(sample_seqs):
@@ -223,34 +223,36 @@ class LLMEngine:
         res.top_logprobs = None if tops is None else [tops[j] for j in keep]
         return self._append([seqs[j] for j in keep], res, finished_only)
 
-    def flush(self) -> None:
-        """Append the tokens of a launched step now (their outputs come with the next
-        `step()`): a stream's state is then whole, as a snapshot needs it."""
+    def flush(self) -> list[RequestOutput]:
+        """Append the tokens of a launched step now and return their outputs: every stream's
+        state is then whole, as a snapshot needs it (asynchronous scheduling; else [])."""
         prev, self._inflight = self._inflight, None
         if prev is None:
-            return
+            return []
         outs, finished = self._resolve(prev, False)
-        self._carry += outs
         if finished:
             self.scheduler.finish(finished)
+        return outs
 
-    def _sampling_rows(self, plan: StepPlan, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """The logits rows to sample: streams whose step reached their last known token (and
-        not finished meanwhile); admissions are accounted here."""
-        # per-stream host work below runs for every stream every step: keep it to a few
-        # attribute reads each
-        rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        computed = 0
-        done = Status.FINISHED
-        for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
-            computed += p.target - p.start
-            if p.is_new:
-                self._account_admission(s, p.start, p.host_tokens)
-            if p.target == len(s.all_ids) and s.status is not done:
-                rows.append(i)
-                sample_seqs.append(s)
-        self.prompt_tokens_computed += computed
+    def _sampling_rows(self, plan: StepPlan, seqs: list[Sequence],
+                       finished: bool = False) -> tuple[list[int], list[Sequence]]:
+        """The logits rows to sample: streams whose step reached their last known token (the
+        scheduler marked them), less any that finished meanwhile; admissions are accounted."""
+        sched = self.scheduler
+        first = sched.first_new
+        for s, p in zip(seqs[first:], plan.streams[first:], strict=True):
+            self._account_admission(s, p.start, p.host_tokens)
+        self.prompt_tokens_computed += plan.num_tokens
+        rows = sched.sampled
+        if rows is None:
+            rows, sample_seqs = list(range(len(seqs))), seqs
+        else:
+            sample_seqs = [seqs[i] for i in rows]
+        if finished:  # asynchronous: some streams finished with the last step's tokens
+            keep = [j for j, s in enumerate(sample_seqs) if s.finish_reason is None]
+            if len(keep) < len(rows):
+                rows = [rows[j] for j in keep]
+                sample_seqs = [sample_seqs[j] for j in keep]
         return rows, sample_seqs
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampledBatch:
@@ -270,17 +272,30 @@ class LLMEngine:
         lps, tops = res.logprobs, res.top_logprobs
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
-        done = Status.FINISHED
-        for j, (s, tok) in enumerate(zip(seqs, res.token_ids, strict=True)):
-            s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
-            if s.status is done:
-                finished.append(s)
-                self.seqs.pop(s.request_id, None)
-                outputs.append(s.to_output(1))
-            elif finished_only:
-                s.skip_delta()  # the final output's delta stays what streaming would show
-            else:
-                outputs.append(s.to_output(1))
+        # once per stream per step: no enumerate, no per-item conditionals when no logprobs
+        if lps is None and tops is None:
+            pairs = zip(seqs, res.token_ids, strict=True)
+            for s, tok in pairs:
+                s.append(tok, None, None)
+                if s.finish_reason is not None:
+                    finished.append(s)
+                    outputs.append(s.to_output(1))
+                elif finished_only:
+                    s.skip_delta()  # the final output's delta stays what streaming would show
+                else:
+                    outputs.append(s.to_output(1))
+        else:
+            for j, (s, tok) in enumerate(zip(seqs, res.token_ids, strict=True)):
+                s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
+                if s.finish_reason is not None:
+                    finished.append(s)
+                    outputs.append(s.to_output(1))
+                elif finished_only:
+                    s.skip_delta()
+                else:
+                    outputs.append(s.to_output(1))
+        for s in finished:
+            self.seqs.pop(s.request_id, None)
         self.generated_tokens += len(seqs)
         return outputs, finished
 
@@ -301,7 +316,8 @@ class LLMEngine:
         this engine (its blocks here are freed)."""
         from kvserve.workers.engine.snapshot import export_stream
 
-        self.flush()  # its last sampled token belongs in the snapshot
+        self._carry += self.flush()  # its last token belongs in the snapshot; its output
+        # comes with the next step()
         return export_stream(self, request_id)
 
     def import_stream(self, data: bytes, request_id: str | None = None) -> str:

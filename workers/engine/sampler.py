@@ -204,10 +204,13 @@ def _greedy_cpu(logits: torch.Tensor, bans: _Bans | None) -> torch.Tensor:
     if bans is None:
         return torch.from_numpy(best)
     eos_rows, eos_cols, rows, cols = bans
-    er, ec = np.asarray(eos_rows, np.int64), np.asarray(eos_cols, np.int64)
+    ec = np.asarray(eos_cols, np.int64)
     r1, c1 = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
     hit: set[int] = set()
-    if er.size:
+    if len(eos_rows) == len(best):  # every row bans EOS (e.g. ignore_eos)
+        hit.update(np.flatnonzero((best[:, None] == ec).any(1)).tolist())
+    elif eos_rows:
+        er = np.asarray(eos_rows, np.int64)
         hit.update(er[(best[er, None] == ec).any(1)].tolist())
     if r1.size:
         hit.update(r1[best[r1] == c1].tolist())

@@ -69,6 +69,11 @@ class Scheduler:
         self.max_evictions = max_evictions_per_request
         self.num_preemptions = 0
         self.evictions_over_cap = 0
+        # about the last schedule(): the rows whose step reaches their last known token and
+        # so sample (None: all of them), and where its admitted streams start in its list
+        self.sampled: list[int] | None = None
+        self.first_new = 0
+        self._partial: list[int] = []  # rows of the plan being picked that do not sample
 
     def add(self, seq: Sequence) -> None:
         """Queue behind every request of the same or higher priority (lower value first)."""
@@ -166,10 +171,13 @@ class Scheduler:
                 if not self._preempt():
                     raise
                 continue
-            for s, p in zip(seqs, plan.streams, strict=True):
-                if p.is_new and s.num_evictions == 0:
+            self.first_new = first = len(seqs) - len(admitted)
+            for s, p in zip(seqs[first:], plan.streams[first:], strict=True):
+                if s.num_evictions == 0:
                     s.num_cached_prompt = min(p.start, len(s.prompt_ids))
                     s.scheduled_time = s.scheduled_time or time.monotonic()
+            partial = set(self._partial)
+            self.sampled = [i for i in range(len(seqs)) if i not in partial] if partial else None
             return plan, seqs
 
     def _pick(self, max_admit: int) -> tuple[list[StreamStep], list[Sequence], list[Sequence]]:
@@ -177,6 +185,7 @@ class Scheduler:
         budget = self.max_tokens
         steps: list[StreamStep] = []
         seqs: list[Sequence] = []
+        partial = self._partial = []
         free = kv.num_free_blocks
         headroom = 0
         # the running streams' loop runs every step for every stream: plain arithmetic on
@@ -184,31 +193,42 @@ class Scheduler:
         bs = kv.block_size
         lookahead = self.lookahead_blocks
         states = kv.streams
+        # headroom and free blocks matter only when something may be admitted
+        admit = bool(self.parked or self.waiting) and len(self.running) < self.max_num_seqs
         for s in self.running:
-            ids = s.all_ids
-            pending = 1 if s.inflight_row >= 0 else 0
             state = states.get(s.request_id)
             if state is None:
                 done = have = 0
             else:
                 done = state.num_computed
                 have = len(state.block_ids)
-            grow = -(-s.max_len // bs) - have
-            if grow > 0:
-                headroom += grow if grow < lookahead else lookahead
+            if admit:
+                grow = -(-s.max_len // bs) - have
+                if grow > 0:
+                    headroom += grow if grow < lookahead else lookahead
             if budget <= 0:
-                continue
+                if admit:
+                    continue
+                break
+            ids = s.all_ids
+            pending = 1 if s.inflight_row >= 0 else 0
             if pending and (s.requires_sync or len(ids) + 1 >= s.max_len):
                 continue  # waits for its token, or finishes with it
             n = len(ids) + pending - done
             if n > budget:
                 n = budget
-            steps.append(StreamStep(s.request_id, ids, done + n, None, pending))
+                partial.append(len(seqs))  # a chunk short of its last token: nothing to sample
+            st = s.kv_step  # the stream's request object, updated rather than rebuilt
+            st.token_ids = ids
+            st.target = done + n
+            st.pending = pending
+            steps.append(st)
             seqs.append(s)
             budget -= n
-            grow = -(-(done + n) // bs) - have
-            if grow > 0:
-                free -= grow
+            if admit:
+                grow = -(-(done + n) // bs) - have
+                if grow > 0:
+                    free -= grow
         admitted: list[Sequence] = []
         while (
             (self.parked or self.waiting)
@@ -228,6 +248,8 @@ class Scheduler:
             need = kv.blocks_needed(cached + n) - len(hit.device_blocks)
             if self.running and free - need < headroom:
                 break  # keep room for the running streams' next tokens
+            if cached + n < len(ids):
+                partial.append(len(seqs))
             queue.popleft()
             s.status = Status.RUNNING
             self.running.append(s)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 
 import torch
 
 from kvserve.kvcache.host_cache import ParkedKV
+from kvserve.kvcache.manager import StreamStep
 from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_usage = functools.partial(tuple.__new__, Usage)  # Usage((p, c, n)) without a Python frame
 
 
 class Status(enum.Enum):
@@ -32,26 +36,45 @@ class Sequence:
         arrival: int,
         priority: int = 0,
     ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
+        # The attributes every step reads come first, in the order the step reads them: an
+        # instance keeps its attribute values in assignment order, so the step touches a few
+        # adjacent cache lines per stream rather than all of them.
+        # read by the sampler
+        self.params = params
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
+        self.generator = generator
+        # read by append() and to_output()
         # prompt + output ids, one list grown per token (not rebuilt every step); read-only
         # for everyone else (`set_output_ids` replaces both)
         self.all_ids: list[int] = list(prompt_ids)
-        self.params = params
-        self.generator = generator
-        self.arrival = arrival
-        self.priority = priority
-        self.status = Status.WAITING
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top_logprobs: list[list[tuple[int, float]]] | None = (
+            [] if params.logprobs else None
+        )
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        # what a token is checked against every step, worked out once
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        self._min_tokens = params.min_tokens
+        self.text = ""  # output text, stop string excluded unless asked
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._detok_push = self.detok.push
+        self._stops = bool(params.stop)
+        self.max_model_len = max_model_len
+        # the most tokens this stream can reach (prompt + max_tokens, capped by the model)
+        self.max_len = min(max_model_len, len(prompt_ids) + params.max_tokens)
+        self._max_out = self.max_len - len(prompt_ids)
         self.finish_reason: str | None = None
+        # the longest stop string minus one char: text that may still become a stop match
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.emitted = 0  # characters of `text` already streamed
+        self.request_id = request_id
+        self.prompt = prompt
         self.stop_reason: str | int | None = None
         self.num_cached_prompt = 0
-        self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first step that computed this stream
-        # set while the stream is evicted (parked) and until its first step back has run
-        self.parked_kv: ParkedKV | None = None
-        self.num_evictions = 0
+        self.arrival_time = time.monotonic()
+        # read by the scheduler
         # asynchronous scheduling: the row of this stream's next token in the last launched
         # step's sampled ids while that token is still on the device (-1: none in flight)
         self.inflight_row = -1
@@ -59,25 +82,16 @@ class Sequence:
         # (e.g. a grammar mask built from it): the scheduler then waits for the stream's last
         # token before scheduling it again, so its own steps never overlap
         self.requires_sync = False
-        self.max_model_len = max_model_len
-        # the most tokens this stream can reach (prompt + max_tokens, capped by the model)
-        self.max_len = min(max_model_len, len(prompt_ids) + params.max_tokens)
-        self.eos_ids = set(tokenizer.eos_token_ids)
-        # what a token is checked against every step, worked out once
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        self._min_tokens = params.min_tokens
-        self._stops = bool(params.stop)
-        self._max_out = self.max_len - len(prompt_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._detok_push = self.detok.push
-        self.text = ""  # output text, stop string excluded unless asked
-        self.emitted = 0  # characters of `text` already streamed
-        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
-        self.top_logprobs: list[list[tuple[int, float]]] | None = (
-            [] if params.logprobs else None
-        )
-        # the longest stop string minus one char: text that may still become a stop match
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        # what the scheduler asks the KV manager for this stream while it runs (updated in
+        # place every step)
+        self.kv_step = StreamStep(request_id, self.all_ids, 0)
+        self.status = Status.WAITING
+        # the rest
+        self.arrival = arrival
+        self.priority = priority
+        # set while the stream is evicted (parked) and until its first step back has run
+        self.parked_kv: ParkedKV | None = None
+        self.num_evictions = 0
 
     def set_output_ids(self, ids: list[int]) -> None:
         """Replace the generated ids (a snapshot resuming here)."""
@@ -146,17 +160,28 @@ class Sequence:
             self.emitted = max(self.emitted, len(self.text) - self.holdback)
 
     def to_output(self, delta_tokens: int = 0) -> RequestOutput:
-        """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text."""
+        """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text.
+
+        `token_ids`, `logprobs` and `top_logprobs` are the request's own lists, not copies:
+        while it runs they keep growing (read them up to `usage.completion_tokens`, or use
+        the delta fields), so an output costs the same at any length."""
         out = self.output_ids
         n = len(out)
         if delta_tokens == 1:
             delta_ids = [out[-1]]
         else:
             delta_ids = out[n - delta_tokens :] if delta_tokens else []
-        # positional: this runs for every stream every step
+        # the text safe to stream (as text_delta), inline: this runs for every stream every step
+        text = self.text
+        end = len(text)
+        if self.finish_reason is None and self.holdback:
+            end = max(self.emitted, end - self.holdback)
+        delta = text[self.emitted : end]
+        self.emitted = end
+        # positional arguments: cheaper than keywords
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_ids, self.text, out[:], self.finish_reason,
+            self.request_id, self.prompt, self.prompt_ids, text, out, self.finish_reason,
             self.stop_reason, self.logprobs, self.top_logprobs,
-            Usage(len(self.prompt_ids), self.num_cached_prompt, n), delta_ids, self.text_delta(),
+            _usage((len(self.prompt_ids), self.num_cached_prompt, n)), delta_ids, delta,
             None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
         )

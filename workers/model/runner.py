@@ -116,7 +116,8 @@ class ModelRunner:
             t = self.kv.tables
             self.graphs = StepGraphs(self.model, self.cache, self.attn, config.max_num_seqs,
                                      self.tables.tensor, config.num_blocks,
-                                     max_tokens=config.max_num_batched_tokens,
+                                     max_tokens=min(config.max_num_batched_tokens,
+                                                    config.cuda_graph_max_tokens),
                                      extra=2 * t.slots * t.width + 2 * config.max_num_seqs)
             log.info("capturing CUDA graphs: decode batches %s, %d mixed buckets",
                      self.graphs.buckets, len(self.graphs.mixed))
@@ -162,7 +163,7 @@ class ModelRunner:
         if plan.demoted:
             self.host.demote(plan.demoted)
             plan.demoted = []
-        pairs = [hd for p in plan.streams for hd in p.host_in]
+        pairs = [hd for p in plan.restores for hd in p.host_in]
         if pairs:
             self.host.restore([h for h, _ in pairs], [d for _, d in pairs])
 
