@@ -243,38 +243,35 @@ class KVCacheManager:
             sid = st.stream_id
             if sid in token_ids:
                 raise ValueError(f"stream {sid!r} appears twice in one step")
+            toks = token_ids[sid] = st.token_ids
             target = st.target
-            token_ids[sid] = st.token_ids
-            if not 0 < target <= len(st.token_ids) + st.pending:
-                raise ValueError(f"target {target} outside 1..{len(st.token_ids) + st.pending}")
             state = streams.get(sid)
-            if state is not None:
+            if state is not None:  # a running stream: the path every decode step takes
                 start = state.num_computed
-                if target <= start:
-                    raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
-                have = len(state.block_ids)
-                n_new = -(-target // bs) - have
                 p = state.plan
-                if p is None or p.is_new:  # its first step as a running stream
-                    p = state.plan = PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
-                                                   False, 0, _NO_PAIRS, 0, state.slot, state)
+                if not start < target <= len(toks) + st.pending or p is None or p.is_new:
+                    p = self._running_plan(state, st)
                 p.start = start
                 p.target = target
                 num_tokens += target - start
-                p.new_blocks = _NONE
+                n_new = -(-target // bs) - len(state.block_ids)
                 if n_new > 0:
-                    if n_new + have > width:
+                    if n_new + len(state.block_ids) > width:
                         raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
                     need_new += n_new
                     p.num_new_blocks = n_new
+                    p.new_blocks = _NONE
                     takers.append(p)
-                else:
+                elif p.num_new_blocks:  # its last step took blocks
                     p.num_new_blocks = 0
+                    p.new_blocks = _NONE
                 state.num_computed = target
                 planned.append(p)
                 if caching and target // bs > len(state.block_hashes):
                     publish.append(p)
                 continue
+            if not 0 < target <= len(toks):
+                raise ValueError(f"target {target} outside 1..{len(toks)}")
             if sid in self.held:
                 raise ValueError(f"stream {sid!r} is still being written back")
             if st.pending:
@@ -342,6 +339,19 @@ class KVCacheManager:
                 p.new_blocks = new
         demoted, self._demoted = self._demoted, []
         return StepPlan(planned, token_ids, demoted, tables, restores, num_tokens, publish)
+
+    def _running_plan(self, state: StreamState, st: StreamStep) -> PlannedStream:
+        """Check a running stream's step; its plan object (made on its first running step)."""
+        sid, target, start = st.stream_id, st.target, state.num_computed
+        if not 0 < target <= len(st.token_ids) + st.pending:
+            raise ValueError(f"target {target} outside 1..{len(st.token_ids) + st.pending}")
+        if target <= start:
+            raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
+        p = state.plan
+        if p is None or p.is_new:
+            p = state.plan = PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
+                                           False, 0, _NO_PAIRS, 0, state.slot, state)
+        return p
 
     def _unpin(self, plan: StepPlan) -> None:
         if self.host is None:

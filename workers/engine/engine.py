@@ -9,8 +9,10 @@ stream that finished with them is not sampled in the new step and its KV is free
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import logging
+import operator
 import time
 
 import numpy as np
@@ -257,12 +259,13 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampledBatch:
         sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        # the sampler reads prompts, outputs and generators only for the rows that need them
         return self.sampler.sample(
             sel,
             [s.params for s in seqs],
-            [s.prompt_ids for s in seqs],
-            [s.output_ids for s in seqs],
-            [s.generator for s in seqs],
+            _Column(seqs, "prompt_ids"),
+            _Column(seqs, "output_ids"),
+            _Column(seqs, "generator"),
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
 
@@ -273,17 +276,20 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
         # once per stream per step: no enumerate, no per-item conditionals when no logprobs
-        if lps is None and tops is None:
-            pairs = zip(seqs, res.token_ids, strict=True)
-            for s, tok in pairs:
+        if lps is None and tops is None and not finished_only:
+            for s, tok in zip(seqs, res.token_ids, strict=True):
+                o = s.emit(tok)
+                outputs.append(o)
+                if o.finish_reason is not None:
+                    finished.append(s)
+        elif lps is None and tops is None:
+            for s, tok in zip(seqs, res.token_ids, strict=True):
                 s.append(tok, None, None)
                 if s.finish_reason is not None:
                     finished.append(s)
                     outputs.append(s.to_output(1))
-                elif finished_only:
-                    s.skip_delta()  # the final output's delta stays what streaming would show
                 else:
-                    outputs.append(s.to_output(1))
+                    s.skip_delta()  # the final output's delta stays what streaming would show
         else:
             for j, (s, tok) in enumerate(zip(seqs, res.token_ids, strict=True)):
                 s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
@@ -381,6 +387,24 @@ class LLMEngine:
         host = self.kv.host
         return {"device": _snapshot_keys(self.kv.pool.cached),
                 "host": _snapshot_keys(host.table.cached) if host is not None else []}
+
+
+class _Column(collections.abc.Sequence):
+    """One attribute of every sequence, read when indexed (not gathered up front)."""
+
+    def __init__(self, seqs: list[Sequence], name: str) -> None:
+        self.seqs, self.get = seqs, operator.attrgetter(name)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self.get(s) for s in self.seqs[i]]
+        return self.get(self.seqs[i])
+
+    def __iter__(self):
+        return map(self.get, self.seqs)
 
 
 def _snapshot_keys(table: dict[int, int]) -> list[int]:

@@ -193,40 +193,38 @@ class Scheduler:
         bs = kv.block_size
         lookahead = self.lookahead_blocks
         states = kv.streams
-        # headroom and free blocks matter only when something may be admitted
-        admit = bool(self.parked or self.waiting) and len(self.running) < self.max_num_seqs
         for s in self.running:
-            state = states.get(s.request_id)
-            if state is None:
-                done = have = 0
-            else:
-                done = state.num_computed
-                have = len(state.block_ids)
-            if admit:
-                grow = -(-s.max_len // bs) - have
-                if grow > 0:
-                    headroom += grow if grow < lookahead else lookahead
             if budget <= 0:
-                if admit:
-                    continue
                 break
+            state = states.get(s.request_id)
+            done = 0 if state is None else state.num_computed
             ids = s.all_ids
-            pending = 1 if s.inflight_row >= 0 else 0
-            if pending and (s.requires_sync or len(ids) + 1 >= s.max_len):
-                continue  # waits for its token, or finishes with it
+            if s.inflight_row >= 0:
+                if s.requires_sync or len(ids) + 1 >= s.max_len:
+                    continue  # waits for its token, or finishes with it
+                pending = 1
+            else:
+                pending = 0
             n = len(ids) + pending - done
             if n > budget:
                 n = budget
                 partial.append(len(seqs))  # a chunk short of its last token: nothing to sample
             st = s.kv_step  # the stream's request object, updated rather than rebuilt
-            st.token_ids = ids
             st.target = done + n
             st.pending = pending
             steps.append(st)
             seqs.append(s)
             budget -= n
-            if admit:
-                grow = -(-(done + n) // bs) - have
+        # headroom and free blocks matter only when something may be admitted
+        if (self.parked or self.waiting) and len(self.running) < self.max_num_seqs:
+            for s in self.running:
+                state = states.get(s.request_id)
+                grow = -(-s.max_len // bs) - (0 if state is None else len(state.block_ids))
+                if grow > 0:
+                    headroom += grow if grow < lookahead else lookahead
+            for st in steps:
+                state = states.get(st.stream_id)
+                grow = -(-st.target // bs) - (0 if state is None else len(state.block_ids))
                 if grow > 0:
                     free -= grow
         admitted: list[Sequence] = []

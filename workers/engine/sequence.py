@@ -14,7 +14,9 @@ from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
-_usage = functools.partial(tuple.__new__, Usage)  # Usage((p, c, n)) without a Python frame
+# Usage((p, c, n)) and RequestOutput((...)) built by tuple.__new__, without a Python frame
+_usage = functools.partial(tuple.__new__, Usage)
+_output = functools.partial(tuple.__new__, RequestOutput)
 
 
 class Status(enum.Enum):
@@ -57,9 +59,12 @@ class Sequence:
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         self._min_tokens = params.min_tokens
         self.text = ""  # output text, stop string excluded unless asked
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
+                                            keep_text=False)
         self._detok_push = self.detok.push
         self._stops = bool(params.stop)
+        # no stop strings and no logprobs: emit() can take its short path
+        self._plain = not params.stop and params.logprobs is None
         self.max_model_len = max_model_len
         # the most tokens this stream can reach (prompt + max_tokens, capped by the model)
         self.max_len = min(max_model_len, len(prompt_ids) + params.max_tokens)
@@ -70,6 +75,7 @@ class Sequence:
         self.emitted = 0  # characters of `text` already streamed
         self.request_id = request_id
         self.prompt = prompt
+        self.prompt_len = len(prompt_ids)
         self.stop_reason: str | int | None = None
         self.num_cached_prompt = 0
         self.scheduled_time: float | None = None  # first step that computed this stream
@@ -96,7 +102,7 @@ class Sequence:
     def set_output_ids(self, ids: list[int]) -> None:
         """Replace the generated ids (a snapshot resuming here)."""
         self.output_ids = list(ids)
-        self.all_ids = self.prompt_ids + self.output_ids
+        self.all_ids = self.kv_step.token_ids = self.prompt_ids + self.output_ids
 
     def append(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         """Add a sampled token and check every stop condition (runs for every stream every
@@ -113,15 +119,40 @@ class Sequence:
             self.text += self.detok.flush()
             self._finish("stop", token)
             return
-        prev = len(self.text)
         delta = self._detok_push(token)
-        if delta:
+        if self._stops:
+            prev = len(self.text)
             self.text += delta
-        if self._stops and n_out >= self._min_tokens and self._check_stop_strings(prev):
-            return
+            if n_out >= self._min_tokens and self._check_stop_strings(prev):
+                return
+        elif delta:
+            self.text += delta
         if n_out >= self._max_out:
             self.text += self.detok.flush()
             self._finish("length", None)
+
+    def emit(self, token: int) -> RequestOutput:
+        """`append(token, None, None)` then `to_output(1)`, in one call: the engine's path for
+        every stream every step. A token that is not a stop id nor the last one allowed, of a
+        request without stop strings or logprobs, takes a short path with the same result."""
+        out = self.output_ids
+        if not self._plain or token in self._stop_ids or len(out) + 1 >= self._max_out:
+            self.append(token, None, None)
+            return self.to_output(1)
+        out.append(token)
+        self.all_ids.append(token)
+        text = self.text
+        delta = self._detok_push(token)
+        if delta:
+            text = self.text = text + delta
+        start = self.emitted
+        end = self.emitted = len(text)  # no stop strings: nothing is held back
+        st = self.scheduled_time
+        return _output((
+            self.request_id, self.prompt, self.prompt_ids, text, out, None, None, None, None,
+            _usage((self.prompt_len, self.num_cached_prompt, len(out))), [token], text[start:end],
+            None if st is None else st - self.arrival_time,
+        ))
 
     def _check_stop_strings(self, prev_len: int) -> bool:
         # a new match must end in the new text, so it starts at most `holdback` chars before it
@@ -173,15 +204,15 @@ class Sequence:
             delta_ids = out[n - delta_tokens :] if delta_tokens else []
         # the text safe to stream (as text_delta), inline: this runs for every stream every step
         text = self.text
+        start = self.emitted
         end = len(text)
-        if self.finish_reason is None and self.holdback:
-            end = max(self.emitted, end - self.holdback)
-        delta = text[self.emitted : end]
+        if self.holdback and self.finish_reason is None:
+            end = max(start, end - self.holdback)
         self.emitted = end
-        # positional arguments: cheaper than keywords
-        return RequestOutput(
+        st = self.scheduled_time
+        return _output((
             self.request_id, self.prompt, self.prompt_ids, text, out, self.finish_reason,
             self.stop_reason, self.logprobs, self.top_logprobs,
-            _usage((len(self.prompt_ids), self.num_cached_prompt, n)), delta_ids, delta,
-            None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
-        )
+            _usage((self.prompt_len, self.num_cached_prompt, n)), delta_ids, text[start:end],
+            None if st is None else st - self.arrival_time,
+        ))

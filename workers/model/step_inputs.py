@@ -42,7 +42,10 @@ def build_step(plan: StepPlan, block_size: int, max_model_len: int) -> StepInput
     streams = plan.streams
     n = len(streams)
     starts = np.fromiter((p.start for p in streams), np.int64, n)
-    targets = np.fromiter((p.target for p in streams), np.int64, n)
+    if plan.num_tokens == n:  # decode only (a plan from the manager says so)
+        targets = starts + 1
+    else:
+        targets = np.fromiter((p.target for p in streams), np.int64, n)
     top = int(targets.max())
     if top > max_model_len:
         p = streams[int(np.flatnonzero(targets > max_model_len)[0])]
