@@ -20,9 +20,13 @@ class ServeConfig(BaseModel):
     # model_dump round trip (the ingress receives it that way)
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=True)
 
-    model: str | None = Field(None, description="GGUF file or HF directory; None = default model")
+    model: str | None = Field(
+        None, description="GGUF file, HF directory, or Hub name (org/name[@rev], "
+                          "org/name:file.gguf[@rev]); None = default model",
+    )
     served_model_name: str | None = Field(
-        None, description="name clients pass as `model`; default = the model file's stem"
+        None, description="name clients pass as `model`; default = the model file's stem, or "
+                          "the Hub repository id",
     )
     num_workers: int = Field(1, ge=1, description="worker actors, one engine each")
     num_gpus_per_worker: float = Field(0, ge=0, description="0 on CPU")
@@ -134,7 +138,6 @@ class ServeConfig(BaseModel):
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        from kvserve.models import resolve_model
+        from kvserve.models import served_name
 
-        path = os.path.basename(str(resolve_model(self.model)).rstrip("/"))
-        return path.rsplit(".", 1)[0] if path.endswith(".gguf") else path
+        return served_name(self.model)

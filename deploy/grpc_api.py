@@ -15,7 +15,11 @@ from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
 from kvserve.deploy.service import GenRequest, Service
 from kvserve.deploy.slots import Leases
+from kvserve.errors import InvalidRequestError
 from kvserve.protos import kvserve_pb2 as pb
+from kvserve.structured import from_response_format
+from kvserve.tools.calls import ToolStream, extract
+from kvserve.tools.spec import ToolPlan, parse_tools
 
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "seed", "logprobs",
@@ -30,7 +34,70 @@ def sampling_dict(sp: pb.SamplingParams) -> dict[str, Any]:
         out["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        out["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("response_format"):
+        try:
+            structured = from_response_format(_response_format(sp.response_format))
+        except InvalidRequestError as e:
+            raise ServiceError("invalid", str(e).replace("response_format", "sampling.response_format")) \
+                from None
+        if structured is not None:
+            out["structured"] = structured
     return out
+
+
+def _response_format(rf: pb.ResponseFormat) -> dict[str, Any] | None:
+    """The message as OpenAI's response_format object (one validation for both APIs)."""
+    which = rf.WhichOneof("format")
+    if which == "json_object":
+        return {"type": "json_object"}
+    if which == "json_schema":
+        js = rf.json_schema
+        return {"type": "json_schema",
+                "json_schema": {"name": js.name, "schema": js.schema, "strict": js.strict}}
+    if which == "regex":
+        return {"type": "regex", "regex": rf.regex}
+    if which == "grammar":
+        return {"type": "grammar", "grammar": rf.grammar}
+    return None
+
+
+def _tool_plan(request: pb.ChatRequest) -> ToolPlan | None:
+    tools = [{"type": "function", "function": {
+        "name": t.function.name, "description": t.function.description,
+        "parameters": t.function.parameters or None, "strict": t.function.strict}}
+        for t in request.tools]
+    choice: Any = None
+    if request.HasField("tool_choice"):
+        which = request.tool_choice.WhichOneof("choice")
+        if which == "mode":
+            choice = request.tool_choice.mode
+        elif which == "function_name":
+            choice = {"type": "function", "function": {"name": request.tool_choice.function_name}}
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    try:
+        return parse_tools(tools, choice, parallel)
+    except InvalidRequestError as e:
+        raise ServiceError("invalid", str(e)) from None
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+        out["content"] = m.content or None
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _calls_finish(reason: str, calls: bool) -> str:
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _api_key(ctx: Any) -> str | None:
@@ -60,12 +127,23 @@ def _logprobs(
     ]
 
 
-def _stream_response(svc: Service, req: GenRequest, c: dict[str, Any]) -> pb.GenerateStreamResponse:
+def _stream_response(
+    svc: Service, req: GenRequest, c: dict[str, Any], tools: ToolStream | None = None
+) -> pb.GenerateStreamResponse:
+    text, finish, deltas = c["text"], c["finish_reason"] or "", []
+    if tools is not None:  # content and tool-call deltas, as the HTTP API streams them
+        text, deltas = tools.feed(text)
+        if finish:
+            more, late = tools.finish()
+            text, deltas = text + more, deltas + late
+            finish = _calls_finish(finish, bool(tools.calls))
     return pb.GenerateStreamResponse(
-        request_id=req.request_id, delta_text=c["text"], delta_token_ids=c["token_ids"],
-        finish_reason=c["finish_reason"] or "", stop_reason=c["stop_reason"] or "",
+        request_id=req.request_id, delta_text=text, delta_token_ids=c["token_ids"],
+        finish_reason=finish, stop_reason=c["stop_reason"] or "",
         usage=_usage(c["usage"]), worker_id=c["worker_id"], model=svc.model_name,
         logprobs=_logprobs(svc, c["token_ids"], c.get("logprobs"), c.get("top_logprobs")),
+        tool_calls=[pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
+                                     arguments=d.arguments) for d in deltas],
     )
 
 
@@ -91,37 +169,49 @@ class GrpcFrontend:
         self.service.check_auth(_api_key(ctx))
         return self.service
 
-    async def _gen_request(self, request: Any, ctx: Any, chat: bool) -> GenRequest:
+    async def _gen_request(
+        self, request: Any, ctx: Any, chat: bool
+    ) -> tuple[GenRequest, ToolPlan | None]:
+        """The request, and its tools when its answer may hold calls."""
         svc = self._authed(ctx)
         _check_model(svc, request)
         if (size := request.ByteSize()) > svc.cfg.max_request_bytes:
             raise ServiceError("too_large", f"request message has {size} bytes; the server's "
                                             f"limit is {svc.cfg.max_request_bytes} (max_request_bytes)")
+        sampling = sampling_dict(request.sampling)
+        plan = None
         if chat:
-            msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+            msgs = [_message(m) for m in request.messages]
             if not msgs:
                 raise ServiceError("invalid", "messages are empty")
-            ids = svc.tokenize(messages=msgs)
+            plan = _tool_plan(request)
+            svc.apply_tools(plan, sampling)
+            ids = svc.tokenize(messages=msgs, tools=plan.tools() if plan else None)
         else:
             ids = svc.tokenize(prompt=request.prompt, prompt_ids=list(request.prompt_token_ids))
         session = request.session_id if request.HasField("session_id") else None
-        return svc.build(ids, sampling_dict(request.sampling), session, request.request_id or None,
-                         default_max_tokens=16)
+        req = svc.build(ids, sampling, session, request.request_id or None, default_max_tokens=16)
+        return req, plan if plan is not None and plan.returns_calls else None
 
     async def _unary(self, request: Any, ctx: Any, chat: bool) -> pb.GenerateResponse:
         leases = Leases()  # the request's router slots, released however the call ends
         try:
-            req = await self._gen_request(request, ctx, chat)
+            req, plan = await self._gen_request(request, ctx, chat)
             r = await self.service.complete(req, leases)
         except ServiceError as e:
             raise _fail(ctx, e) from None
         finally:
             leases.close()
+        text, calls = r.text, []
+        if plan is not None:
+            text, calls = extract(r.text, plan.forced, self.service.tool_parser)
         return pb.GenerateResponse(
-            request_id=r.request_id, text=r.text, token_ids=r.token_ids,
-            finish_reason=r.finish_reason, stop_reason=r.stop_reason or "", usage=_usage(r.usage),
+            request_id=r.request_id, text=text, token_ids=r.token_ids,
+            finish_reason=_calls_finish(r.finish_reason, bool(calls)),
+            stop_reason=r.stop_reason or "", usage=_usage(r.usage),
             worker_id=r.worker_id, model=self.service.model_name,
             logprobs=_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs),
+            tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
         )
 
     async def _stream(
@@ -129,10 +219,11 @@ class GrpcFrontend:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         leases = Leases()  # released however the call ends (Serve cancels it on a client cancel)
         try:
-            req = await self._gen_request(request, ctx, chat)
+            req, plan = await self._gen_request(request, ctx, chat)
+            tools = None if plan is None else ToolStream(plan.forced, self.service.tool_parser)
             async with aclosing(self.service.stream(req, leases)) as chunks:
                 async for c in chunks:
-                    yield _stream_response(self.service, req, c)
+                    yield _stream_response(self.service, req, c, tools)
         except ServiceError as e:
             raise _fail(ctx, e) from None
         finally:

@@ -15,12 +15,16 @@ from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.openai_choices import complete_all, fan_out, num_choices, stream_all
 from kvserve.deploy.service import GenRequest, Service, sampling_from_fields
 from kvserve.deploy.slots import Leases
+from kvserve.errors import InvalidRequestError
+from kvserve.structured import from_response_format
+from kvserve.tools.calls import ToolStream, extract
+from kvserve.tools.spec import ToolPlan, parse_tools
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -28,10 +32,29 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
                    "skip_special_tokens")
 
 
+# OpenAI fields kvserve knows but cannot honour: a request that sets one (to anything but
+# the value that asks for nothing) is refused rather than silently served without it.
+_UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]), "store": (None, False), "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "guided_json": (None,), "guided_regex": (None,),
+    "guided_grammar": (None,), "guided_choice": (None,),
+}
+_WHY = {
+    "functions": "use tools and tool_choice", "function_call": "use tools and tool_choice",
+    "guided_json": "use response_format json_schema",
+    "guided_regex": "use response_format {'type': 'regex', 'regex': ...}",
+    "guided_grammar": "use response_format {'type': 'grammar', 'grammar': ...}",
+}
+
+
 class _SamplingFields(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias...) are ignored as OpenAI-compatible servers do;
-    # NaN/inf pass here and are rejected with a clear message by the sampling validation.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=True, protected_namespaces=())
+    # Unknown OpenAI fields (user, metadata...) are ignored as OpenAI-compatible servers do;
+    # known ones kvserve cannot honour are refused (`check_unhonoured`). NaN/inf pass here
+    # and are rejected with a clear message by the sampling validation.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=True, protected_namespaces=())
 
     model: str | None = None
     max_tokens: int | None = None
@@ -55,6 +78,43 @@ class _SamplingFields(BaseModel):
     session_id: str | None = Field(None, description="kvserve extension: multi-turn affinity")
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # json_object, json_schema; kvserve's regex and grammar (docs/serving.md)
+    response_format: dict[str, Any] | None = None
+
+    def check_unhonoured(self) -> None:
+        extra = self.model_extra or {}
+        for name, fine in _UNHONOURED.items():
+            if name in extra and extra[name] not in fine and not (
+                    name == "best_of" and extra[name] == self.n):
+                why = _WHY.get(name, "kvserve does not support it")
+                raise ServiceError("invalid", f"{name}={extra[name]!r} cannot be honoured: {why}")
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """max_completion_tokens, logit_bias and response_format as sampling fields."""
+        out: dict[str, Any] = {}
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ServiceError("invalid", "max_tokens and max_completion_tokens disagree "
+                                              f"({self.max_tokens} vs {self.max_completion_tokens})")
+            out["max_tokens"] = self.max_completion_tokens
+        if self.logit_bias:
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise ServiceError("invalid", f"logit_bias keys must be token ids, got {k!r}") \
+                        from None
+            out["logit_bias"] = bias
+        try:
+            structured = from_response_format(self.response_format)
+        except InvalidRequestError as e:
+            raise ServiceError("invalid", str(e)) from None
+        if structured is not None:
+            out["structured"] = structured
+        return out
 
     def num_logprobs(self, kind: str) -> int | None:
         """The engine's `logprobs` (alternatives per token) for this request; None = none.
@@ -83,16 +143,33 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
             return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+            if self.content is None:
+                m["content"] = None
+        for k in ("tool_call_id", "name"):
+            if getattr(self, k) is not None:
+                m[k] = getattr(self, k)
+        return m
+
 
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _plan: ToolPlan | None = PrivateAttr(None)
 
 
 def error_response(e: ServiceError) -> JSONResponse:
@@ -114,7 +191,8 @@ def _usage(u: list[int]) -> dict[str, Any]:
 
 def _sampling(body: _SamplingFields, kind: str) -> dict[str, Any]:
     num_choices(body.n)  # `n` is the front end's (openai_choices.py), checked up front
-    sampling = sampling_from_fields(body, SAMPLING_FIELDS)
+    body.check_unhonoured()
+    sampling = sampling_from_fields(body, SAMPLING_FIELDS) | body.sampling_extras()
     n = body.num_logprobs(kind)
     if n is not None:
         sampling["logprobs"] = n
@@ -136,10 +214,15 @@ def chat_request(svc: Service, body: ChatRequest) -> GenRequest:
     svc.check_model(body.model)
     if not body.messages:
         raise ServiceError("invalid", "messages are empty")
-    ids = svc.tokenize(messages=[{"role": m.role, "content": m.text()} for m in body.messages])
     sampling = _sampling(body, "chat")
-    if body.max_completion_tokens is not None and "max_tokens" not in sampling:
-        sampling["max_tokens"] = body.max_completion_tokens
+    try:
+        plan = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except InvalidRequestError as e:
+        raise ServiceError("invalid", str(e)) from None
+    svc.apply_tools(plan, sampling)
+    body._plan = plan
+    ids = svc.tokenize(messages=[m.for_template() for m in body.messages],
+                       tools=plan.tools() if plan else None)
     return svc.build(ids, sampling, body.session_id)
 
 
@@ -158,12 +241,21 @@ async def respond(
         finally:
             leases.close()
         lps = _Logprobs(svc, kind)
+        plan = _plan(body)
         choices = []
         for i, r in enumerate(results):
             choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason,
                                       "logprobs": lps.of(r.token_ids, r.logprobs, r.top_logprobs)}
             if kind == "completion":
                 choice["text"] = r.text
+            elif plan is not None:
+                content, calls = extract(r.text, plan.forced, svc.tool_parser)
+                choice["message"] = {"role": "assistant", "content": content or None}
+                if calls:
+                    choice["message"]["tool_calls"] = [
+                        {"id": c.id, "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                    choice["finish_reason"] = _calls_finish(r.finish_reason)
             else:
                 choice["message"] = {"role": "assistant", "content": r.text}
             choices.append(choice)
@@ -179,9 +271,20 @@ async def respond(
         leases.close()
         raise
     return LeasedStreamingResponse(
-        _sse(svc, chunks, first, rid, created, kind, body.include_usage()), leases,
+        _sse(svc, chunks, first, rid, created, kind, body.include_usage(), _plan(body)), leases,
         media_type="text/event-stream",
     )
+
+
+def _plan(body: _SamplingFields) -> ToolPlan | None:
+    """The chat request's tools when its answer may hold calls."""
+    plan = getattr(body, "_plan", None)
+    return plan if plan is not None and plan.returns_calls else None
+
+
+def _calls_finish(reason: str) -> str:
+    # a call cut off by the length limit keeps "length", as OpenAI's does
+    return "tool_calls" if reason == "stop" else reason
 
 
 class LeasedStreamingResponse(StreamingResponse):
@@ -210,20 +313,37 @@ def _total_usage(usages: list[list[int]]) -> list[int]:
 
 async def _sse(
     svc: Service, chunks: AsyncIterator[tuple[int, dict[str, Any]]], first: tuple[int, dict[str, Any]],
-    rid: str, created: int, kind: str, include_usage: bool,
+    rid: str, created: int, kind: str, include_usage: bool, plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     lps = _Logprobs(svc, kind)
     last: dict[int, dict[str, Any]] = {}  # each choice's latest chunk (for its usage)
+    calls: dict[int, ToolStream] = {}  # each choice's content and tool calls (with tools)
+    made_calls: set[int] = set()
 
     def event(i: int, c: dict[str, Any]) -> str:
         lp = lps.of(c["token_ids"], c.get("logprobs"), c.get("top_logprobs"))
+        finish = c["finish_reason"]
         if kind == "completion":
-            choice = {"index": i, "text": c["text"], "finish_reason": c["finish_reason"],
+            choice = {"index": i, "text": c["text"], "finish_reason": finish,
                       "logprobs": lp}
         else:  # a choice's first delta names the role
-            delta = {"content": c["text"]} if i in last else {"role": "assistant", "content": c["text"]}
-            choice = {"index": i, "delta": delta, "finish_reason": c["finish_reason"],
+            delta: dict[str, Any] = {"content": c["text"]}
+            if plan is not None:
+                ts = calls.setdefault(i, ToolStream(plan.forced, svc.tool_parser))
+                text, deltas = ts.feed(c["text"])
+                if finish is not None:
+                    more, late = ts.finish()
+                    text, deltas = text + more, deltas + late
+                delta = {"content": text}
+                if deltas:
+                    made_calls.add(i)
+                    delta["tool_calls"] = [_call_delta(d) for d in deltas]
+                if finish is not None and i in made_calls:
+                    finish = _calls_finish(finish)
+            if i not in last:
+                delta = {"role": "assistant"} | delta
+            choice = {"index": i, "delta": delta, "finish_reason": finish,
                       "logprobs": lp}
         last[i] = c
         payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
@@ -245,6 +365,15 @@ async def _sse(
                    "choices": [], "usage": _usage(usage)}
         yield f"data: {json.dumps(payload)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _call_delta(d: Any) -> dict[str, Any]:
+    """OpenAI's streamed tool call: the first delta has the id, type and name."""
+    out: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+    if d.id is not None:
+        out["id"], out["type"] = d.id, "function"
+        out["function"]["name"] = d.name
+    return out
 
 
 class _Logprobs:

@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
+from kvserve.errors import StartupError
 
 
 @dataclass
@@ -157,7 +158,23 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
 
 
 def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK) -> int:
-    ep = deploy(cfg, ray_host=ray_host)
+    from kvserve.models import resolve_model
+
+    # a Hub name the Hub does not know (or gated, or unreachable) fails here in one line; the
+    # ingress then finds the tokenizer in the cache, the workers fetch the weights
+    resolve_model(cfg.model, tokenizer_only=True)
+    shown = StartupStates(cfg.router_name)
+    shown.start()
+    try:
+        ep = deploy(cfg, ray_host=ray_host)
+    except RuntimeError:  # Serve's "deploying failed" says less than the worker that failed
+        shown.stop()
+        failed = shown.failed()
+        if not failed:
+            raise
+        shutdown(cfg)
+        raise StartupError(f"the app did not start: {failed}") from None
+    shown.stop()
     print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)", flush=True)
     print(f"  gRPC  {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} --prompt ...)")
     print(f"  HTTP  {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
@@ -175,9 +192,63 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK) -> int:
     return 0
 
 
+class StartupStates:
+    """Prints each worker's start-up state when it changes (downloading the model with its
+    bytes, loading, capturing graphs), read from the router while the app deploys."""
+
+    PERIOD_S = 2.0
+
+    def __init__(self, router_name: str) -> None:
+        self.router_name = router_name
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="startup-states", daemon=True)
+        self._shown: dict[str, str] = {}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def failed(self) -> str | None:
+        """'worker-i: failed: why' of a worker whose start-up failed, if any (asks once more)."""
+        try:
+            self.poll(quiet=True)
+        except Exception:
+            pass
+        return next((f"{w}: {s}" for w, s in self._shown.items() if s.startswith("failed: ")),
+                    None)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                self.poll()
+            except Exception as e:  # not up yet, or restarting: the next poll tries again
+                log.debug("reading the workers' start-up states failed: %s", e)
+
+    def poll(self, quiet: bool = False) -> None:
+        import ray
+
+        from kvserve.router.lifecycle import find_router
+
+        if not ray.is_initialized():
+            return
+        router = find_router(self.router_name)
+        if router is None:
+            return
+        for w in ray.get(router.server_info.remote(), timeout=10)["workers"]:
+            state = w["state"]
+            if self._shown.get(w["worker_id"]) != state and state != "ready" and not quiet:
+                print(f"kvserve: {w['worker_id']}: {state}", flush=True)
+            self._shown[w["worker_id"]] = state
+
+
 def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
-    s.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    from kvserve.models import MODEL_HELP
+
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "

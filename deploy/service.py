@@ -31,7 +31,10 @@ from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.models import resolve_model
 from kvserve.router.lifecycle import get_or_create_router
 from kvserve.sampling import SamplingParams, parse_sampling_params
+from kvserve.tools.parsers import for_template
+from kvserve.tools.spec import ToolPlan
 from kvserve.workers.loading.tokenizer import load_tokenizer
+from kvserve.workers.structured.grammars import check_spec
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,10 @@ class Service:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
-        self.tokenizer = load_tokenizer(resolve_model(cfg.model))
+        # the tokenizer only: the weights are fetched by the workers, into their nodes' caches
+        self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
+        # the call format of the model's template (tool_choice auto)
+        self.tool_parser = for_template(self.tokenizer.chat_template)
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
@@ -109,9 +115,23 @@ class Service:
             )
 
     # ---- request building -------------------------------------------------------------------
+    def apply_tools(self, plan: ToolPlan | None, sampling: dict[str, Any]) -> None:
+        """A forced tool call is the request's structured output; `auto` keeps the special
+        tokens a call format may be marked with."""
+        if plan is None or not plan.returns_calls:
+            return
+        if plan.forced:
+            if sampling.get("structured") is not None:
+                raise ServiceError("invalid", "response_format cannot be combined with a "
+                                              f"forced tool_choice ({plan.mode})")
+            sampling["structured"] = plan.structured()
+        elif self.tool_parser.needs_special_tokens:
+            sampling["skip_special_tokens"] = False
+
     def tokenize(
         self, prompt: str | None = None, prompt_ids: list[int] | None = None,
         messages: list[Mapping[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a text prompt, token-id prompt or chat conversation (validated)."""
         try:
@@ -120,7 +140,7 @@ class Service:
                 for m in msgs:
                     if not isinstance(m.get("role"), str) or not m["role"]:
                         raise InvalidRequestError("every message needs a non-empty 'role'")
-                return list(self.tokenizer.apply_chat_template(msgs, tokenize=True))
+                return list(self.tokenizer.apply_chat_template(msgs, tokenize=True, tools=tools))
             if prompt_ids:
                 bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
                 if bad:
@@ -162,6 +182,12 @@ class Service:
             sampling["max_tokens"] = default_max_tokens or (self.max_model_len - n)
         try:
             params = parse_sampling_params(sampling)
+            if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})")
+            if params.structured is not None:  # a bad schema is refused here, not on a worker
+                check_spec(params.structured)
         except InvalidRequestError as e:
             raise ServiceError("invalid", str(e)) from None
         if n + params.max_tokens > self.max_model_len:

@@ -17,6 +17,11 @@ can demote them to host before the forward overwrites them.
 
 The block tables also live in one persistent array (`block_tables.py`), a row per
 stream, written only where a step took blocks; steps read their rows from it.
+
+When every layer of the model attends through a sliding window (`window`), `commit`
+releases a stream's leading blocks once no future query can reach them: the table (and its
+row) keeps their (stale) ids so positions still index it, and `StreamState.num_dropped` says
+how many lead it. Full dropped blocks stay in the prefix cache until the allocator reuses them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ class StreamState:
     num_cached_prompt: int = 0  # tokens served from the prefix cache on admission
     slot: int = -1  # the stream's row in the persistent block-table array
     plan: PlannedStream | None = None  # its part of the last plan, reused by the next one
+    num_dropped: int = 0  # leading blocks released: outside every layer's window
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """The blocks the stream still holds (its table without the dropped lead)."""
+        return self.block_ids[self.num_dropped :] if self.num_dropped else self.block_ids
 
 
 @dataclass
@@ -108,12 +119,16 @@ _NO_PAIRS: list[tuple[int, int]] = []
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_blocks_per_stream: int | None = None, slots: int = 16,
-                 pin_tables: bool = False) -> None:
-        """`max_blocks_per_stream` (default: the pool) is the block-table array's width; a
+                 window: int | None = None, max_blocks_per_stream: int | None = None,
+                 slots: int = 16, pin_tables: bool = False) -> None:
+        """`window`: every layer's sliding window (keys a query sees, itself included), when
+        all layers have one; blocks no query can reach any more are then released.
+        `max_blocks_per_stream` (default: the pool) is the block-table array's width; a
         step that would grow a stream past it raises ValueError before changing anything.
         `slots`: the array's initial rows (it grows when more streams run at once)."""
         self.block_size = block_size
+        self.window = window
+        self.blocks_dropped = 0  # blocks released by windows, in total
         self.pool = BlockPool(num_blocks)
         self.tables = BlockTables(max_blocks_per_stream or num_blocks, slots, pin_tables)
         self.enable_prefix_caching = enable_prefix_caching
@@ -374,6 +389,24 @@ class KVCacheManager:
                 parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
                 state.block_hashes.append(parent)
                 self.pool.register(state.block_ids[b], parent)
+        window = self.window
+        if window is None:
+            return
+        for p in plan.streams:
+            state = p.state  # type: ignore[assignment]
+            # the stream's next query sees keys from target - window + 1 on (GPU work that
+            # still reads a released block runs before any later step that reuses it)
+            first_key = p.target - window + 1
+            if first_key >= (state.num_dropped + 1) * bs and self.streams.get(p.stream_id) is state:
+                self._drop_unreachable(state, first_key)
+
+    def _drop_unreachable(self, state: StreamState, first_key: int) -> None:
+        """Release the blocks wholly before `first_key`. Full ones were published above, so
+        they stay findable in the prefix cache until the allocator reuses them."""
+        n = first_key // self.block_size
+        self.pool.release(reversed(state.block_ids[state.num_dropped : n]))
+        self.blocks_dropped += n - state.num_dropped
+        state.num_dropped = n
 
     def rollback(self, plan: StepPlan) -> None:
         """The step failed: return its reserved blocks; streams go back to what they had
@@ -399,14 +432,14 @@ class KVCacheManager:
         """Release a stream's blocks (tail first, so its prefix stays cached longest)."""
         state = self.streams.pop(stream_id, None)
         if state is not None:
-            self.pool.release(reversed(state.block_ids))
+            self.pool.release(reversed(state.live_blocks))
             self.tables.remove(state.slot)
         self.release_held(stream_id)
 
     def hold(self, stream_id: str) -> StreamState:
         """Take a stream out of the batch but keep its blocks referenced (write-back in flight)."""
         state = self.streams.pop(stream_id)
-        self.held[stream_id] = state.block_ids
+        self.held[stream_id] = state.live_blocks
         self.tables.remove(state.slot)  # it leaves the batch; the blocks stay referenced
         return state
 
@@ -450,7 +483,7 @@ class KVCacheManager:
             slots.add(s.slot)
             if self.tables.array[s.slot, : len(s.block_ids)].tolist() != s.block_ids:
                 raise AssertionError(f"stream {sid}: its block-table row differs from its blocks")
-            for b in s.block_ids:
+            for b in s.live_blocks:
                 refs[b] += 1
         for blocks in self.held.values():
             for b in blocks:

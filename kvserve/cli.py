@@ -11,7 +11,9 @@ DEFAULT_SYSTEM = None
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    from kvserve.models import MODEL_HELP
+
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="device KV pool capacity in tokens")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
@@ -31,6 +33,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON matching the JSON schema in FILE")
 
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
@@ -42,12 +46,22 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _params(a: argparse.Namespace):
+    from kvserve.errors import InvalidRequestError
     from kvserve.sampling import parse_sampling_params
+    from kvserve.structured import json_schema_output
 
+    structured = None
+    if getattr(a, "json_schema", None):
+        try:
+            with open(a.json_schema, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise InvalidRequestError(f"--json-schema {a.json_schema}: {e.strerror or e}") from None
+        structured = json_schema_output(text, where=f"--json-schema {a.json_schema}")
     return parse_sampling_params({
         "max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
         "top_k": a.top_k, "min_p": a.min_p, "repetition_penalty": a.repetition_penalty,
-        "seed": a.seed, "stop": a.stop, "ignore_eos": a.ignore_eos,
+        "seed": a.seed, "stop": a.stop, "ignore_eos": a.ignore_eos, "structured": structured,
     })
 
 

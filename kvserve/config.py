@@ -12,7 +12,10 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = Field(None, description="GGUF file or HF directory; None = default model")
+    model: str | None = Field(
+        None, description="GGUF file, HF directory, or Hub name (org/name[@rev], "
+                          "org/name:file.gguf[@rev]); None = default model",
+    )
     kv_cache_tokens: int = Field(32768, ge=16, description="device KV pool capacity in tokens")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(

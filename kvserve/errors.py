@@ -18,3 +18,7 @@ class InvalidRequestError(KVServeError, ValueError):
 
 class OutOfKVCacheError(KVServeError):
     """A request alone needs more KV blocks than the whole device pool holds."""
+
+
+class StartupError(KVServeError):
+    """The served application did not start; the message names the part that failed and why."""

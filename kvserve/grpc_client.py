@@ -11,7 +11,25 @@ def _sampling(params: dict[str, Any]) -> Any:
     from kvserve.protos import kvserve_pb2 as pb
 
     fields = {k: v for k, v in params.items() if v is not None and v != [] and v is not False}
+    structured = fields.pop("structured", None)
+    if structured is not None:
+        fields["response_format"] = response_format(structured)
     return pb.SamplingParams(**fields)
+
+
+def response_format(structured: Any) -> Any:
+    """A StructuredOutput (or its dict) as the gRPC ResponseFormat message."""
+    from kvserve.protos import kvserve_pb2 as pb
+    from kvserve.structured import StructuredOutput
+
+    s = StructuredOutput.model_validate(structured)
+    if s.type == "json_object":
+        return pb.ResponseFormat(json_object=pb.JsonObject())
+    if s.type == "json_schema":
+        return pb.ResponseFormat(json_schema=pb.JsonSchema(schema=s.spec, strict=s.strict))
+    if s.type == "regex":
+        return pb.ResponseFormat(regex=s.spec)
+    return pb.ResponseFormat(grammar=s.spec)
 
 
 def stream_generate(

@@ -8,12 +8,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvserve.errors import InvalidRequestError
+from kvserve.structured import StructuredOutput
 
 # Temperatures below this count as greedy: dividing logits by ~0 would overflow to inf and
 # turn the softmax into NaN, and such a temperature is argmax in all but name (vLLM does the same).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "n")
 
@@ -49,6 +52,12 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0, description="EOS / stop tokens are banned before this many")
     n: int = Field(1, description="completions per request; only 1 is supported")
+    logit_bias: dict[int, float] | None = Field(
+        None, description="token id -> value added to its logit (-100..100) before sampling"
+    )
+    structured: StructuredOutput | None = Field(
+        None, description="the output must match this JSON schema, regex or grammar"
+    )
 
     @field_validator(*_INT_FIELDS, mode="before")
     @classmethod
@@ -98,12 +107,36 @@ class SamplingParams(BaseModel):
             raise ValueError(f"token ids must be >= 0, found {bad[0]}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if not v:
+            return None
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased, got {len(v)}")
+        for tok, bias in v.items():
+            if tok < 0:
+                raise ValueError(f"token id {tok} is negative")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {tok} is {bias}; it must be between "
+                                 f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+        return v
+
     @model_validator(mode="after")
     def _check_min_tokens(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
+        if self.structured is not None:
+            # the grammar ends the output with EOS where it is complete: a request that bans
+            # EOS there would have no token left to choose
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured output "
+                                 "(the output ends where the structure is complete)")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a structured output "
+                                 "(the output ends where the structure is complete)")
         return self
 
     @property

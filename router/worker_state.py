@@ -1,5 +1,6 @@
-"""What the router shows of a worker's life: "starting", "loading", "capturing graphs i/n",
-"ready", "restarting" (it stopped answering; Ray brings it back), "failed: why".
+"""What the router shows of a worker's life: "starting", "downloading <model>: <done> of <total>
+(<pct>%, <i>/<n> files)" (a Hub model fetched into the node's cache), "loading", "capturing graphs
+i/n", "ready", "restarting" (it stopped answering; Ray brings it back), "failed: why".
 
 The worker reports its start-up stages itself (it answers no call before its model is
 loaded and its CUDA graphs captured); the router's polls tell when it stopped answering.

@@ -19,6 +19,7 @@ LAYERS = [
     "kvserve.router",
     "kvserve.workers",  # the worker actor and stream pacing, on top of its subpackages
     "kvserve.workers.engine",
+    "kvserve.workers.structured",  # grammars of structured outputs, masks on the logits
     "kvserve.workers.model",
     "kvserve.workers.loading",
     "kvserve.kvcache",
@@ -92,7 +93,7 @@ def test_imports_run_one_way():
 
 def test_the_layer_check_catches_a_wrong_import():
     assert _layer("kvserve.kvcache.manager") > _layer("kvserve.workers.engine.engine")
-    assert _layer("kvserve.workers.loading.loader") > _layer("kvserve.workers.model.llama")
+    assert _layer("kvserve.workers.loading.loader") > _layer("kvserve.workers.model.models.llama")
     assert _layer("kvserve.config") == len(LAYERS) - 1
 
 

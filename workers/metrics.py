@@ -55,7 +55,13 @@ def model_stem(path: str | os.PathLike[str]) -> str:
 
 def zero(counter: Any, tags: dict[str, str] | None = None) -> None:
     """Export a counter series at 0 before its first event, as Prometheus clients do
-    (Ray's public `inc` refuses 0; its record path does not)."""
+    (Ray's public `inc` refuses 0; its record path does not). Outside Ray (an engine built
+    in-process) nothing is recorded: Ray would keep the series and export them with
+    whatever session the process joins later."""
+    import ray
+
+    if not ray.is_initialized():
+        return
     try:
         counter._record(0, tags=tags)
     except Exception:  # a Ray without that path: the series appears at its first event

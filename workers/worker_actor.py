@@ -25,12 +25,13 @@ import ray
 
 from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.models import resolve_model, served_name
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
 from kvserve.workers.engine.engine import LLMEngine
 from kvserve.workers.engine.migration import StreamMoved
-from kvserve.workers.metrics import RequestTracker, WorkerMetrics, model_stem
+from kvserve.workers.metrics import RequestTracker, WorkerMetrics
 from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
 from kvserve.workers.token_batches import Subscription, TokenBatches
@@ -99,7 +100,8 @@ class WorkerActor(StreamMoves, TokenBatches):
         reporter: Any = None,
     ) -> None:
         """`reporter` (the router) hears the start-up's progress: `worker_state(worker_id,
-        incarnation, state, load_s)` with "loading", "capturing graphs i/n", then "ready";
+        incarnation, state, load_s)` with "downloading <model>: <bytes> of <bytes> ..." (a Hub
+        name not in this node's cache yet), "loading", "capturing graphs i/n", then "ready";
         the actor answers no call before it is ready, so this is how it shows meanwhile."""
         self.worker_id = worker_id
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
@@ -111,15 +113,18 @@ class WorkerActor(StreamMoves, TokenBatches):
         _log_info_in_actor()
         t0 = time.monotonic()
         try:
-            engine = LLMEngine(self.config, lambda state: self._report(state, 0.0))
+            # a Hub name is fetched here, into this node's cache, its bytes shown as the state
+            path = resolve_model(self.config.model,
+                                 progress=lambda p: self._report(p.state(), 0.0))
+            engine = LLMEngine(self.config.model_copy(update={"model": path}),
+                               lambda state: self._report(state, 0.0))
         except Exception as e:
             self._report(f"failed: {e}", time.monotonic() - t0)
             raise
         self.engine = AsyncLLMEngine(self.config, engine)
         self.load_s = time.monotonic() - t0
         self._report("ready", self.load_s)
-        self.metrics = WorkerMetrics(model_name or model_stem(self.engine.engine.model_path),
-                                     worker_id)
+        self.metrics = WorkerMetrics(model_name or served_name(self.config.model), worker_id)
         self._requests: dict[str, _Request] = {}
         self._subs: dict[str, Subscription] = {}
         self._gauges: dict[str, Any] = {}

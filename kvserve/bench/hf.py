@@ -184,11 +184,18 @@ def run_hf_baselines(
     """Yield (name, figures, tokens) per baseline; a baseline that cannot run yields its
     error and None, so the others still report."""
     t0 = time.perf_counter()
-    model = load_hf_model(args.model)
+    try:
+        model = load_hf_model(args.model)
+    except Exception as e:  # e.g. a GGUF layout transformers' GGUF loader does not map
+        yield "hf_generate", {"error": f"transformers cannot load it: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0]}"}, None
+        return
     load_s = time.perf_counter() - t0
     gen_res, gen_tokens = run_generate(model, prompts, args)
     gen_res["load_s"] = load_s
     yield "hf_generate", gen_res, gen_tokens
+    if not getattr(args, "generate_batch", True):
+        return
     if not hasattr(model, "generate_batch"):
         yield "hf_generate_batch", {"error": "this transformers has no generate_batch"}, None
         return

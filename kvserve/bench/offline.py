@@ -35,7 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
     o.add_argument("--baseline", choices=["hf"], default=None,
                    help="also run the prompts through transformers (same process, same threads)")
-    o.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    o.add_argument("--generate-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --baseline hf, also run transformers' continuous batching, which "
+                        "sizes its paged cache from free RAM (default: on)")
+    o.add_argument("--model", default=None,
+                   help="GGUF file or HF directory of a supported family (default: SmolLM2-135M)")
     o.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     o.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     o.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -33,14 +33,38 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int =
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of the weights one decode step reads: every layer, the final norm and the
-    LM head (the embedding table is only indexed, a row per token)."""
-    tensors = [model.norm, model.lm_head.weight]
-    for layer in model.layers:
-        tensors += [layer.input_norm, layer.post_norm, layer.qkv.weight, layer.o.weight,
-                    layer.gate_up.weight, layer.down.weight]
-        tensors += [t.bias for t in (layer.qkv, layer.o) if t.bias is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the weights one decode step reads: every tensor of every layer (norms,
+    attention, MLP or experts, biases), the final norm and the LM head (the embedding
+    table is only indexed, a row per token)."""
+    seen: dict[int, torch.Tensor] = {}
+    _collect_tensors([model.norm, model.lm_head, *model.layers], seen, set())
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _collect_tensors(obj: Any, seen: dict[int, torch.Tensor], visited: set[int]) -> None:
+    """The tensors reachable from `obj`'s attributes, each storage counted once."""
+    from kvserve.workers.model.layers.rope import RotaryEmbedding
+    from kvserve.workers.model.quant_linear import Linear
+
+    if isinstance(obj, torch.Tensor):
+        if obj.numel():
+            seen.setdefault(obj.untyped_storage().data_ptr(), obj)
+        return
+    if id(obj) in visited or isinstance(obj, RotaryEmbedding):  # rope tables are not weights
+        return
+    visited.add(id(obj))
+    if isinstance(obj, Linear):  # its weight and bias (not its quantized copy's raw rows)
+        items = [obj.weight, obj.bias]
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = list(vars(obj).values())
+    else:
+        return
+    for item in items:
+        _collect_tensors(item, seen, visited)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -347,7 +347,7 @@ def _bench(a: argparse.Namespace) -> int:
     from kvserve.models import resolve_model
     from kvserve.workers.loading.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(resolve_model(a.model))
+    tok = load_tokenizer(resolve_model(a.model, tokenizer_only=True))
     requests = apply_skew(build_requests(a, tok, a.seed, a.num_prompts, a.random_output_len),
                           a.skew, a.seed)
     warmups = build_requests(a, tok, a.seed + 7919, a.num_warmups, 4)

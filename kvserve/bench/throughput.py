@@ -50,6 +50,13 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--json-schema-share", type=float, default=0.0, metavar="F",
+                   help="instead: run the workload unconstrained, then with this share of the "
+                        "requests constrained to a JSON schema, and compare their step times")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--json-schema-share: alternating passes of each kind")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the schema for --json-schema-share (default: a long array of records)")
     p.set_defaults(func=cmd_throughput)
 
 
@@ -160,6 +167,18 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         return 2
     threads = args.threads or available_cores()
     torch.set_num_threads(threads)
+    if args.json_schema_share:
+        if not 0 < args.json_schema_share <= 1:
+            print("kvserve bench throughput: --json-schema-share must be in (0, 1]", file=sys.stderr)
+            return 2
+        from kvserve.bench import structured_steps
+
+        res = structured_steps.run(args, threads, inp, out)
+        print(f"machine: {machine_info(threads)['cpu']}, {threads} threads")
+        structured_steps.print_report(res)
+        write_json(args.json, {"benchmark": "throughput_json_schema",
+                               "machine": machine_info(threads), **res})
+        return 0
     kv, prompts, out_lens, kv_tokens, cfg, runner = run_kvserve(args, threads, inp, out)
     gflop = workload_gflop(cfg, prompts, out_lens)
     report: dict[str, Any] = {

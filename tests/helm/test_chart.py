@@ -70,6 +70,12 @@ CASES: dict[str, dict[str, Any]] = {
     "model-hostpath": {"model": {"path": "SmolLM2-360M-Instruct", "mountPath": "/weights",
                                  "volume": {"hostPath": "/mnt/models"}}},
     "no-ray-auth": {"rayAuth": {"enabled": False}},
+    "model-hub": {"model": {"id": "Qwen/Qwen3-0.6B", "revision": "c1899de289a04d12100db370d81485cdf75e47ca",
+                            "token": {"existingSecret": "hf-token", "secretKey": "HF_TOKEN"},
+                            "cache": {"persistentVolumeClaim": "hf-cache"}}},
+    "model-hub-gguf": {"model": {"id": "Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf",
+                                 "cache": {"sizeLimit": "8Gi", "mountPath": "/hf"},
+                                 "offline": True}},
 }
 
 
@@ -236,6 +242,12 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
         assert sc.model == "/models/llama/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
     elif name == "model-hostpath":
         assert sc.model == "/weights/SmolLM2-360M-Instruct"
+    elif name == "model-hub":
+        assert sc.model == "Qwen/Qwen3-0.6B@c1899de289a04d12100db370d81485cdf75e47ca"
+        assert sc.model_name() == "Qwen/Qwen3-0.6B"  # no download to name it
+    elif name == "model-hub-gguf":
+        assert sc.model == values["model"]["id"]
+        assert sc.model_name() == "qwen2.5-0.5b-instruct-q4_k_m"
     else:
         assert sc.model is None  # the embedded default model
 
@@ -352,7 +364,28 @@ def test_pod_specs(case):
         else:
             assert gpu_req == gpu_lim == gpus, (name, group)
         model = values.get("model", {})
-        if model:
+        env = {e["name"]: e for e in c.get("env", [])}
+        if model.get("id"):
+            cache = model["cache"]
+            hf_home = cache.get("mountPath", "/home/ray/.cache/huggingface")
+            assert mounts[hf_home] == {"name": "hf-cache", "mountPath": hf_home}
+            assert env["HF_HOME"] == {"name": "HF_HOME", "value": hf_home}
+            if "persistentVolumeClaim" in cache:
+                assert volumes["hf-cache"]["persistentVolumeClaim"] == {
+                    "claimName": cache["persistentVolumeClaim"]}
+            else:
+                assert volumes["hf-cache"]["emptyDir"] == {"sizeLimit": cache["sizeLimit"]}
+            token = model.get("token")
+            if token:
+                assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+                    "name": token["existingSecret"], "key": token["secretKey"]}
+            else:
+                assert "HF_TOKEN" not in env
+            assert ("HF_HUB_OFFLINE" in env) == bool(model.get("offline"))
+            if model.get("offline"):
+                assert env["HF_HUB_OFFLINE"]["value"] == "1"
+            assert "model" not in volumes
+        elif model:
             mount = model.get("mountPath", "/models")
             assert mounts[mount] == {"name": "model", "mountPath": mount, "readOnly": True}
             vol = model["volume"]
@@ -363,7 +396,8 @@ def test_pod_specs(case):
                 assert volumes["model"]["hostPath"] == {"path": vol["hostPath"], "type": "Directory"}
         else:
             assert "model" not in volumes
-        env = {e["name"]: e for e in c.get("env", [])}
+        if not model.get("id"):
+            assert "hf-cache" not in volumes and not {"HF_HOME", "HF_TOKEN"} & set(env)
         keys = values.get("apiKeys", {})
         if keys:
             secret = keys.get("existingSecret") or f"{FULLNAME}-api-keys"
@@ -452,6 +486,10 @@ def test_notes_name_the_services():
     assert f"port-forward svc/{FULLNAME}-grpc 443:443" in notes
     assert f"Secret {FULLNAME}-api-keys" in notes
     assert "llm.example.com" in render(CASES["ingress"])["kvserve/templates/NOTES.txt"]
+    assert "Hugging Face Hub" not in render()["kvserve/templates/NOTES.txt"]
+    notes = render(CASES["model-hub"])["kvserve/templates/NOTES.txt"]
+    assert "fetch Qwen/Qwen3-0.6B@c1899de289a04d12100db370d81485cdf75e47ca from the Hugging" in notes
+    assert "PVC hf-cache" in notes
 
 
 # ---------------------------------------------------------------- values and their schema
@@ -463,6 +501,10 @@ def test_notes_name_the_services():
     ({"monitoring": {"enabled": "yes"}}, "at '/monitoring/enabled': got string, want boolean"),
     ({"replicas": 3}, "additional properties 'replicas' not allowed"),
     ({"serve": {"num_workers": 2}}, "additional properties 'num_workers' not allowed"),
+    ({"model": {"id": "Qwen3-0.6B"}}, "at '/model/id': 'Qwen3-0.6B' does not match pattern"),
+    ({"model": {"id": "org/name@main"}}, "at '/model/id': 'org/name@main' does not match"),
+    ({"model": {"revision": "a b"}}, "at '/model/revision': 'a b' does not match pattern"),
+    ({"model": {"cache": {"sizeLimit": "lots"}}}, "at '/model/cache/sizeLimit'"),
 ])
 def test_schema_rejects(values, message):
     with pytest.raises(helm.HelmValuesError) as err:
@@ -477,6 +519,9 @@ def test_schema_rejects(values, message):
     ({"serve": {"numGpusPerWorker": 1}}, "serve.numGpusPerWorker > 0 needs GPU worker pods"),
     ({"model": {"path": "m.gguf"}}, "model.path is relative to the model volume"),
     ({"model": {"volume": {"hostPath": "/a", "persistentVolumeClaim": "b"}}}, "not both"),
+    ({"model": {"id": "org/name", "path": "/models/m.gguf"}},
+     "model: set id (a Hugging Face Hub name) or path (a file on a volume), not both"),
+    ({"model": {"revision": "v1"}}, "model.revision needs model.id"),
     ({"workerGroup": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must not exceed"),
     ({"serve": {"numWorkers": 3, "numGpusPerWorker": 1}, "workerGroup": {"gpus": 1, "maxReplicas": 2}},
      "= 3 GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = 2"),

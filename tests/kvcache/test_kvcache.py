@@ -211,7 +211,7 @@ class KVMachine(RuleBasedStateMachine):
         for sid, toks in self.tokens.items():
             assert self.m.num_computed(sid) == len(toks)
         # blocks in use are exactly those referenced by live streams
-        live = {b for sid in self.tokens for b in self.m.block_table(sid)}
+        live = {b for sid in self.tokens for b in self.m.stream(sid).live_blocks}
         assert self.m.pool.num_used == len(live)
 
     def teardown(self):
@@ -223,6 +223,47 @@ class KVMachine(RuleBasedStateMachine):
 
 TestKVMachine = KVMachine.TestCase
 TestKVMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+WINDOW = 6  # keys a query sees, itself included: the window starts mid-block
+
+
+class WindowedKVMachine(KVMachine):
+    """The same with a sliding window on every layer: a stream's leading blocks are released
+    as soon as its next query cannot reach them, and only then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = KVCacheManager(num_blocks=24, block_size=BS, window=WINDOW)
+
+    @invariant()
+    def only_unreachable_blocks_dropped(self):
+        for sid in self.tokens:
+            s = self.m.stream(sid)
+            assert s.num_dropped == max(0, (s.num_computed - WINDOW + 1) // BS)
+
+
+TestWindowedKVMachine = WindowedKVMachine.TestCase
+TestWindowedKVMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_window_releases_blocks_and_keeps_them_cached():
+    """A stream growing past its window holds about window / block_size blocks; the blocks it
+    released stay in the prefix cache, so a new stream with the same start still finds them."""
+    m = KVCacheManager(num_blocks=12, block_size=BS, window=WINDOW)
+    toks = list(range(100, 105))
+    run(m, [StreamStep("a", toks, len(toks))])
+    for i in range(30):  # decode far past the window, one token per step
+        toks = toks + [200 + i]
+        run(m, [StreamStep("a", toks, len(toks))])
+        assert len(m.stream("a").live_blocks) <= -(-WINDOW // BS) + 1
+    assert m.blocks_dropped == m.stream("a").num_dropped == (len(toks) - WINDOW + 1) // BS
+    # a second stream whose prompt is the first one's start: its first blocks are cached
+    plan = run(m, [StreamStep("b", toks[:9], 9)])
+    assert plan.streams[0].start == 8
+    m.free("a")
+    m.free("b")
+    m.check_invariants()
+    assert m.pool.num_free == m.pool.num_blocks
 
 
 @given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(1, 6))

@@ -1,17 +1,21 @@
 """Asynchronous scheduling gives the synchronous engine's outputs (tiny random model, real
 tokenizer): greedy and seeded sampling with penalties and logprobs, stop strings, stop ids and
 length limits, aborts mid-stream, evictions with and without the host tier, snapshots taken
-mid-stream, and streams that require synchronous steps. No stream that finished emits a token
+mid-stream, streams that require synchronous steps, and guided streams (grammar masks,
+logit_bias) beside free ones. No stream that finished emits a token
 of the step after, and every KV block comes back."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import jsonschema
 import pytest
 from tiny_models import tiny_model_path
 
 from kvserve import LLM, SamplingParams
+from kvserve.structured import json_schema_output
 from kvserve.workers.engine.engine import LLMEngine
 
 BS = 4
@@ -189,6 +193,51 @@ def test_stream_that_requires_sync_steps(path):
     eng.add_sequence = add_sync
     assert drive(eng, reqs) == ref
     assert overlapped and not any(overlapped)  # never planned with its token in flight
+
+
+SCHEMA = {"type": "object", "properties": {
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1,
+             "maxItems": 2},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["tags", "n"], "additionalProperties": False}
+
+
+def test_guided_streams_beside_free_ones(path):
+    """A grammar's mask is built from every token before it, also while the stream's last
+    token is still on the device: guided streams (seeded JSON, logit_bias) give the same
+    tokens with the overlap on and off, and do run overlapped."""
+    ps = prompts(6, seed=9)
+    spec = json_schema_output(SCHEMA, strict=True)
+    params = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=60, structured=spec),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=60, structured=spec,
+                       presence_penalty=0.5),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True,
+                       logit_bias={ps[0][0]: 5.0, 1000: -100.0}),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=60, structured=spec, logprobs=2),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12),
+    ]
+    reqs = list(zip(ps, params, strict=True))
+    ref = drive(engine(path, False), reqs)
+    eng = engine(path, True)
+    schedule = eng.scheduler.schedule
+    overlapped = []
+
+    def checked():
+        plan, seqs = schedule()
+        overlapped.extend(s.grammar is not None and s.inflight_row >= 0 for s in seqs)
+        return plan, seqs
+
+    eng.scheduler.schedule = checked
+    got = drive(eng, reqs)
+    assert got == ref
+    assert any(overlapped)  # guided streams were planned with their last token in flight
+    for i in (0, 2, 4):
+        out = got[f"r{i}"]
+        assert out["reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert 1000 not in got["r3"]["ids"]
 
 
 def test_llm_generate_is_the_same(path):

@@ -175,8 +175,9 @@ def test_hf_dir_old_style_config_and_bin_weights(tmp_path) -> None:
     assert loaded.config.rope_theta == 1e6
     assert loaded.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert loaded.config.eos_token_ids == [2, 7, 9]
-    # no sliding-window attention in kvserve: the context stops at the window
-    assert loaded.config.max_position_embeddings == 4096
+    # Mistral's window applies to every layer; the context stays the model's
+    assert loaded.config.max_position_embeddings == 32768
+    assert loaded.config.sliding_window == 4096 and loaded.config.all_sliding
     for name, tensor in weights.items():
         assert torch.equal(loaded.weights[name], tensor), name
 

@@ -1,6 +1,7 @@
 """The C paged-decode kernel against a plain softmax reference, over the head sizes
 that take its different paths (AVX2 with D=64/128 unrolled, AVX2 with other D % 8 == 0,
-the portable loop otherwise) and lengths that end mid-block and mid-vector."""
+the portable loop otherwise), lengths that end mid-block and mid-vector, sliding windows
+that start mid-block (and blocks before the window that hold garbage), and soft-capping."""
 
 from __future__ import annotations
 
@@ -10,23 +11,27 @@ import torch
 from kvserve.workers.model.cpu_kernels import load_paged_decode
 
 
-def _reference(q, k, v, tables, lens, bs):
+def _reference(q, k, v, tables, lens, bs, scale, window=0, cap=0.0):
     b, hq, d = q.shape
     hkv = k.shape[2]
     out = torch.empty_like(q)
     for i in range(b):
         n = int(lens[i])
+        first = max(0, n - window) if window else 0
         blocks = tables[i, : (n + bs - 1) // bs].long()
-        ks = k[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)
-        vs = v[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)
-        att = torch.softmax((q[i].unsqueeze(1) @ ks.transpose(1, 2)).squeeze(1).double() * d**-0.5, -1)
-        out[i] = (att.unsqueeze(1).float() @ vs).squeeze(1)
+        ks = k[blocks].reshape(-1, hkv, d)[first:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vs = v[blocks].reshape(-1, hkv, d)[first:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        s = (q[i].unsqueeze(1) @ ks.transpose(1, 2)).squeeze(1).double() * scale
+        if cap:
+            s = torch.tanh(s / cap) * cap
+        out[i] = (torch.softmax(s, -1).unsqueeze(1).float() @ vs).squeeze(1)
     return out
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 4, 48), (6, 2, 36)])
 @pytest.mark.parametrize("bs", [16, 7])
-def test_kernel_matches_softmax_reference(hq, hkv, d, bs) -> None:
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (12, 0.0), (0, 3.0), (20, 3.0)])
+def test_kernel_matches_softmax_reference(hq, hkv, d, bs, window, cap) -> None:
     lib = load_paged_decode()
     if lib is None:
         pytest.skip("no C compiler here: the engine uses SDPA instead (tested elsewhere)")
@@ -39,10 +44,17 @@ def test_kernel_matches_softmax_reference(hq, hkv, d, bs) -> None:
     v = torch.randn(nb, bs, hkv, d, generator=g)
     tables = torch.randperm(nb, generator=g)[: b * max_blocks].view(b, max_blocks).to(torch.int32)
     q = torch.randn(b, hq, d, generator=g)
+    scale = 0.3 if cap else d**-0.5
+    if window:  # what the window leaves out is never read: make it poison
+        for i, n in enumerate(lens.tolist()):
+            for j in range(max(0, n - window)):
+                blk, off = int(tables[i, j // bs]), j % bs
+                k[blk, off], v[blk, off] = float("nan"), float("nan")
     out = torch.full_like(q, float("nan"))
     rc = lib.paged_decode_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tables.contiguous().data_ptr(),
-        lens.data_ptr(), b, max_blocks, hq, hkv, d, bs, d**-0.5, 2,
+        lens.data_ptr(), b, max_blocks, hq, hkv, d, bs, scale, window, cap, 2,
     )
     assert rc == 0
-    torch.testing.assert_close(out, _reference(q, k, v, tables, lens, bs), atol=2e-5, rtol=1e-4)
+    want = _reference(q, k, v, tables, lens, bs, scale, window, cap)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)

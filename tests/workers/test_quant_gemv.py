@@ -121,8 +121,8 @@ def _decode(runner: ModelRunner, prompts: dict[str, list[int]], n: int) -> tuple
 )
 def test_default_model_decode_on_matches_off(lib, loaded, prompts) -> None:
     on, off = _runner(loaded, True), _runner(loaded, False)
-    assert on.model.layers[0].qkv.quant is not None and on.model.lm_head.quant is not None
-    assert off.model.layers[0].qkv.quant is None
+    assert on.model.layers[0].attn.qkv.quant is not None and on.model.lm_head.quant is not None
+    assert off.model.layers[0].attn.qkv.quant is None
     got, got_logits = _decode(on, prompts, 32)
     want, want_logits = _decode(off, prompts, 32)
     assert got == want
@@ -134,6 +134,6 @@ def test_hf_model_without_raw_rows_uses_fp32(tmp_path) -> None:
     loaded = load_model(make_tiny_hf_model(tmp_path / "tiny", with_tokenizer=False))
     assert loaded.quantized == {}
     runner = _runner(loaded, True)
-    assert all(layer.qkv.quant is None for layer in runner.model.layers)
+    assert all(layer.attn.qkv.quant is None for layer in runner.model.layers)
     _, logits = runner.execute([StreamStep("a", [5, 6, 7], 3)])
     assert logits.shape == (1, loaded.config.vocab_size) and torch.isfinite(logits).all()

@@ -101,3 +101,23 @@ def test_fused_model_matches_unfused(tmp_path_factory) -> None:
         llm.engine.runner.model.fused = fused
         outs[fused] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_fused_family_matches_unfused(tmp_path_factory) -> None:
+    """Gemma 3 through the Triton kernels, fused where its ops fit (q/k norms applied in place
+    before the fused RoPE, (1 + w) norms and post-norms, the local and global RoPE tables;
+    GeGLU stays in torch), gives the unfused greedy tokens, with a prompt past its window."""
+    from arch_models import make_arch_model
+
+    from kvserve import LLM, SamplingParams
+
+    path = make_arch_model(tmp_path_factory.mktemp("gemma3") / "m", "gemma3", seed=5)
+    prompts = [[100 + (7 * i + j) % 900 for j in range(n)] for i, n in enumerate([3, 21])]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    for fused in (False, True):
+        llm = LLM(path, attention_backend="triton", block_size=4, kv_cache_tokens=256,
+                  max_num_batched_tokens=16, device=DEVICE, dtype="float32")
+        llm.engine.runner.model.fused = fused
+        outs[fused] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]

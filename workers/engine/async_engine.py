@@ -88,7 +88,11 @@ class AsyncLLMEngine:
         Bad input raises InvalidRequestError here, before anything is queued.
         """
         rid = request_id or uuid.uuid4().hex
-        seq = self.engine.make_sequence(prompt, params, rid)
+        if params is not None and params.structured is not None:
+            # a grammar's first compile can take a second: not on this event loop
+            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, rid)
+        else:
+            seq = self.engine.make_sequence(prompt, params, rid)
         stream = _Stream(asyncio.get_running_loop())
         self._adds.put((seq, stream))
         self._wake.set()

@@ -24,14 +24,17 @@ from kvserve.kvcache.manager import StepPlan
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.workers.engine import constraints
 from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
 from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
+from kvserve.workers.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)
+_GUIDED = operator.attrgetter("guided")  # a stream whose logits are biased or masked
 
 
 class LLMEngine:
@@ -58,6 +61,9 @@ class LLMEngine:
         # the launched step whose ids are still on the device: its sampled streams and ids
         self._inflight: tuple[list[Sequence], SampledBatch] | None = None
         self._carry: list[RequestOutput] = []  # outputs of a step resolved between steps
+        # structured outputs: the grammar engine and its compiled-grammar cache, made on the
+        # first constrained request
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._ids = itertools.count()
@@ -103,18 +109,34 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                 "tokens and at least one must be left for the output"
             )
-        if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
+        # a stream holds its whole KV, or with every layer windowed the window and one chunk
+        window = self.kv.window
+        held = len(ids) + 1
+        if window is not None:
+            held = min(held, window + self.config.max_num_batched_tokens)
+        if self.kv.blocks_needed(held) + (window is not None) > self.kv.num_blocks:
             raise OutOfKVCacheError(
-                f"prompt of {len(ids)} tokens needs {self.kv.blocks_needed(len(ids) + 1)} KV "
+                f"prompt of {len(ids)} tokens needs {self.kv.blocks_needed(held)} KV "
                 f"blocks; the cache holds {self.kv.num_blocks} "
                 f"(kv_cache_tokens={self.config.kv_cache_tokens})"
             )
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}, outside "
+                                      f"the vocabulary (0..{vocab - 1})")
+        # compiled here, off the step thread (cached by the spec's text)
+        grammar = self.grammars.state(params.structured) if params.structured else None
         gen = make_generator(params.seed, self.runner.device)
         # a stream can never outgrow the pool: cap its length there (finish "length")
-        cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
-        return Sequence(
+        cap = self.max_model_len
+        if window is None:
+            cap = min(cap, self.kv.num_blocks * self.kv.block_size)
+        seq = Sequence(
             request_id, text, ids, params, self.tokenizer, gen, cap, next(self._arrival), priority
         )
+        if grammar is not None:
+            seq.grammar, seq.guided = grammar, True
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
@@ -259,6 +281,11 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampledBatch:
         sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        # logit_bias and grammar masks, on the constrained rows only. A grammar has accepted
+        # every token before its mask is built: under asynchronous scheduling the step before
+        # was appended (`_resolve`) before this step is sampled.
+        if any(map(_GUIDED, seqs)):
+            constraints.apply(sel, seqs, self.grammars)
         # the sampler reads prompts, outputs and generators only for the rows that need them
         return self.sampler.sample(
             sel,
@@ -275,6 +302,8 @@ class LLMEngine:
         lps, tops = res.logprobs, res.top_logprobs
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
+        if any(map(_GUIDED, seqs)):
+            constraints.accept(seqs, res.token_ids)
         # once per stream per step: no enumerate, no per-item conditionals when no logprobs
         if lps is None and tops is None and not finished_only:
             for s, tok in zip(seqs, res.token_ids, strict=True):
@@ -352,6 +381,7 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.pool.num_used,
             "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_dropped": self.kv.blocks_dropped,  # released by sliding windows
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate(),
             "generation_tokens_per_s": self.generated_tokens / elapsed,
             "kv_bytes_used": self.kv.pool.num_used * bpb,
@@ -376,6 +406,7 @@ class LLMEngine:
             "restored_bytes": host.copier.blocks["in"] * bpb if host else 0,
             "copy_seconds_d2h": host.copier.seconds["out"] if host else 0.0,
             "copy_seconds_h2d": host.copier.seconds["in"] if host else 0.0,
+            **self.grammars.stats(),
         }
 
     def held_block_hashes(self) -> dict[str, list[int]]:

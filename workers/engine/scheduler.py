@@ -285,7 +285,9 @@ class Scheduler:
         rid = seq.request_id
         n = kv.num_computed(rid)
         parked = ParkedKV(n, block_size=kv.block_size)
-        if kv.host is not None and n > 0:
+        # a stream whose window released its first blocks has no whole chain to save: it is
+        # recomputed when it resumes
+        if kv.host is not None and n > 0 and kv.stream(rid).num_dropped == 0:
             state = kv.stream(rid)
             hashes = state.block_hashes
             if len(hashes) != n // kv.block_size:  # prefix caching off: hash here

@@ -13,6 +13,7 @@ from kvserve.kvcache.manager import StreamStep
 from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.workers.structured.state import GrammarState
 
 # Usage((p, c, n)) and RequestOutput((...)) built by tuple.__new__, without a Python frame
 _usage = functools.partial(tuple.__new__, Usage)
@@ -88,6 +89,13 @@ class Sequence:
         # (e.g. a grammar mask built from it): the scheduler then waits for the stream's last
         # token before scheduling it again, so its own steps never overlap
         self.requires_sync = False
+        # a structured output's grammar state (set by the engine); with logit_bias, the
+        # stream's logits are touched before sampling (`guided`). Its mask is built after the
+        # last token was accepted, also under asynchronous scheduling (the engine samples a
+        # step only after appending the one before), so a guided stream does not need
+        # `requires_sync`.
+        self.grammar: GrammarState | None = None
+        self.guided = params.logit_bias is not None
         # what the scheduler asks the KV manager for this stream while it runs (updated in
         # place every step)
         self.kv_step = StreamStep(request_id, self.all_ids, 0)

@@ -27,10 +27,12 @@ VERSION = 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def model_geometry(engine: LLMEngine) -> dict[str, int]:
+def model_geometry(engine: LLMEngine) -> dict[str, int | str]:
+    """What a snapshot's KV and token ids must match: the architecture (its KV means
+    something else in another family even at the same shape) and the KV geometry."""
     c = engine.model_config
-    return {"vocab_size": c.vocab_size, "num_layers": c.num_layers,
-            "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+    return {"architecture": c.architecture, "vocab_size": c.vocab_size,
+            "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
 def export_stream(engine: LLMEngine, request_id: str) -> bytes:
@@ -121,6 +123,8 @@ def _restore_sequence(seq: Sequence, r: dict[str, Any]) -> None:
     seq.set_output_ids(r["output_ids"])
     if seq.output_ids:
         seq.detok.step(seq.output_ids)  # bring the detokenizer's window to the same place
+        if seq.grammar is not None:  # and the grammar to where the output left it
+            seq.grammar.replay(seq.output_ids)
     seq.text = r["text"]
     seq.emitted = r["emitted"]
     seq.logprobs = r["logprobs"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-import re
+import struct
 from typing import Any
 
 import gguf
@@ -19,35 +19,25 @@ from kvserve.workers.loading.loader import (
     expected_weight_shapes,
     warn_unused,
 )
-from kvserve.workers.loading.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.workers.loading.model_config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+)
 from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
 # models as "llama"; both use the same (permuted) Q/K layout.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-# llama.cpp's converter interleaves the rotary halves of Q and K for these.
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+# llama.cpp's converter interleaves the rotary halves of Q and K for these (the archs whose
+# llama.cpp RoPE is the "normal", pairwise one); the NEOX-RoPE archs keep HF's order.
 _PERMUTED_QK = {"llama", "mistral"}
-
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_GEMMA = {"gemma2", "gemma3"}
+# Gemma: every n-th layer attends globally (llama.cpp's fixed patterns for these archs)
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 LongRoPE
 _ROPE_FREQS = "rope_freqs.weight"
 _INTEGER_TYPES = {
     GGMLQuantizationType.I8,
@@ -79,6 +69,31 @@ class _CheckedReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._mapped = value.view(np.ndarray)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        # GGUFReader slices the map once per array element: seconds for a vocabulary (token
+        # types, ~50k strings and as many merges). A scalar array becomes one part (its
+        # contents() are the same list); a long string array (vocabulary, merges), which the
+        # loader never reads beyond its length, is stepped over with struct and kept as one
+        # opaque byte part (its contents() are empty).
+        arr = gguf.GGUFValueType.ARRAY
+        if raw_type != arr or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        item = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        n = int(count[0])
+        item_type = gguf.GGUFValueType(int(item[0]))
+        scalar = self.gguf_scalar_to_np.get(item_type)
+        if scalar is not None:
+            values = self._get(orig_offs + 12, scalar, n)
+            return 12 + int(values.nbytes), [item, count, values], [2], [arr, item_type]
+        if item_type != gguf.GGUFValueType.STRING or n < 1024:  # short lists: read as usual
+            return super()._get_field_parts(orig_offs, raw_type)
+        buf, at = self._mapped, orig_offs + 12
+        for _ in range(n):
+            at += 8 + struct.unpack_from("<Q", buf, at)[0]
+        blob = self._get(orig_offs + 12, np.uint8, at - orig_offs - 12)
+        return at - orig_offs, [item, count, blob], [], [arr, item_type]
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         file_size = len(self.data)
@@ -117,11 +132,11 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(reader, path, arch, tensors)
 
-    hf_to_gguf = _hf_to_gguf_names(config)
     expected = expected_weight_shapes(config)
+    hf_to_gguf = _hf_to_gguf_names(expected, arch, config.num_layers)
     found = {hf: _torch_shape(tensors[g]) for hf, g in hf_to_gguf.items() if g in tensors}
     check_weight_shapes(found, expected, path, names=hf_to_gguf)
-    used = set(hf_to_gguf.values()) | {_ROPE_FREQS}
+    used = set(hf_to_gguf.values()) | {_ROPE_FREQS, *_ROPE_FACTORS}
     warn_unused([n for n in tensors if n not in used], path)
 
     permute = arch in _PERMUTED_QK
@@ -136,6 +151,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             n_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_qk(array, n_heads)
+        if arch in _GEMMA and hf_name.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + w: back to HF's w
         weights[hf_name] = torch.from_numpy(array).to(dtype)
         # Only float32 runs (the CPU) use the raw-block kernel; keep the blocks for them.
         if dtype == torch.float32 and array.ndim == 2 and tensor.tensor_type.name in QTYPES:
@@ -212,7 +229,9 @@ def _config_from_metadata(
     head_dim = meta("attention.key_length", int, default_head_dim)
     value_dim = meta("attention.value_length", int, head_dim)
     rope_dim = meta("rope.dimension_count", int, head_dim)
-    if value_dim != head_dim or rope_dim != head_dim or head_dim % 2:
+    # partial rotation (the leading rope_dim dims) only where llama.cpp's RoPE is NEOX's
+    partial_ok = arch not in _PERMUTED_QK and 0 < rope_dim < head_dim
+    if value_dim != head_dim or (rope_dim != head_dim and not partial_ok) or rope_dim % 2:
         raise ModelLoadError(
             f"{path}: unsupported attention layout (key length {head_dim}, value length "
             f"{value_dim}, rotary dimensions {rope_dim}); kvserve needs them equal and even"
@@ -221,8 +240,8 @@ def _config_from_metadata(
     vocab_size = meta("vocab_size", int, None)
     if vocab_size is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
-        if tokens is not None:
-            vocab_size = len(tokens.data)
+        if tokens is not None:  # read as [key parts..., item type, count, bytes]
+            vocab_size = int(tokens.parts[-2][0])
         elif "token_embd.weight" in tensors:
             vocab_size = _torch_shape(tensors["token_embd.weight"])[0]
         else:
@@ -230,6 +249,23 @@ def _config_from_metadata(
 
     context_length = meta("context_length", int, 2048)
     rope_theta = meta("rope.freq_base", float, 10000.0)
+    rope_scaling = _rope_scaling(reader, path, arch, tensors, rope_dim, rope_theta)
+    if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+        # the pre-training context is the default one (see hf_loader and layers/rope.py)
+        rope_scaling["max_position_embeddings"] = context_length
+        context_length = min(context_length, rope_scaling["original_max_position_embeddings"])
+    num_layers = meta("block_count", int)
+    window, layer_types = _sliding_window(reader, path, arch, num_layers)
+    gemma = arch in _GEMMA
+    scale = meta("attention.scale", float, None)
+    if scale is not None:
+        pre_attn_scalar: float | None = scale**-2
+    elif gemma:
+        # llama.cpp's rule: the 27B models (46 and 62 layers) scale q by hidden / heads
+        big = num_layers == (46 if arch == "gemma2" else 62)
+        pre_attn_scalar = float(hidden // num_heads if big else head_dim)
+    else:
+        pre_attn_scalar = None
     attention_bias = arch == "qwen2"
     if not attention_bias and any(n.endswith((".attn_q.bias", ".attn_k.bias")) for n in tensors):
         raise ModelLoadError(f"{path}: attention biases are not supported for {arch} models")
@@ -245,13 +281,13 @@ def _config_from_metadata(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length", int),
-        num_layers=meta("block_count", int),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", float, 1e-5),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(reader, path, arch, tensors, head_dim, rope_theta),
+        rope_scaling=rope_scaling,
         max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=attention_bias,
@@ -259,7 +295,40 @@ def _config_from_metadata(
         eos_token_ids=eos,
         name=_field(reader, path, "general.name", str, None)
         or os.path.splitext(os.path.basename(path))[0],
+        hidden_act="gelu_tanh" if gemma else "silu",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rotary_dim=rope_dim if rope_dim != head_dim else None,
+        embed_scale=hidden**0.5 if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        query_pre_attn_scalar=pre_attn_scalar,
+        attn_logit_softcapping=meta("attn_logit_softcapping", float, None) if arch == "gemma2" else None,
+        final_logit_softcapping=meta("final_logit_softcapping", float, None) if gemma else None,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=meta("rope.freq_base_swa", float, 10000.0) if arch == "gemma3" else None,
     )
+
+
+def _sliding_window(reader: GGUFReader, path: str, arch: str,
+                    num_layers: int) -> tuple[int | None, list[str] | None]:
+    """(window, per-layer types) from {arch}.attention.sliding_window and, where present,
+    {arch}.attention.sliding_window_pattern (a bool per layer, or n: every n-th global)."""
+    window = _field(reader, path, f"{arch}.attention.sliding_window", int, None)
+    if window is None or window <= 0:
+        return None, None
+    pattern = _field(reader, path, f"{arch}.attention.sliding_window_pattern", int,
+                     _GLOBAL_EVERY.get(arch, 0))
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{path}: sliding_window_pattern has {len(pattern)} values "
+                                 f"for {num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp: with n > 0 the last layer of every n is global; 0: all slide
+        sliding = [pattern <= 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    if not any(sliding):
+        return None, None
+    return window, [SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding]
 
 
 def _rope_scaling(
@@ -275,6 +344,20 @@ def _rope_scaling(
     def meta(suffix: str, kind: type, default: Any = None) -> Any:
         return _field(reader, path, f"{arch}.{suffix}", kind, default)
 
+    if all(name in tensors for name in _ROPE_FACTORS):
+        long, short = (_dequantize(tensors[n], path).reshape(-1).tolist() for n in _ROPE_FACTORS)
+        if len(long) != head_dim // 2 or len(short) != head_dim // 2:
+            raise ModelLoadError(f"{path}: rope factors need {head_dim // 2} values each")
+        original = meta("rope.scaling.original_context_length", int)
+        if original is None:
+            raise ModelLoadError(f"{path}: rope factors without rope.scaling.original_context_length")
+        scaling_lr: dict[str, Any] = {"rope_type": "longrope", "long_factor": long,
+                                      "short_factor": short,
+                                      "original_max_position_embeddings": original}
+        attn_factor = meta("rope.scaling.attn_factor", float)
+        if attn_factor is not None:
+            scaling_lr["attention_factor"] = attn_factor
+        return scaling_lr
     if _ROPE_FREQS in tensors:
         factors = _dequantize(tensors[_ROPE_FREQS], path).reshape(-1).astype(np.float64)
         if factors.size != head_dim // 2:
@@ -375,11 +458,19 @@ def _llama3_from_rope_freqs(
     )
 
 
-def _hf_to_gguf_names(config: ModelConfig) -> dict[str, str]:
-    names = {hf: g for g, hf in _GLOBAL_TENSORS.items()}
-    for i in range(config.num_layers):
-        for g, hf in _LAYER_TENSORS.items():
-            names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{g}"
+def _hf_to_gguf_names(expected: dict[str, Any], arch: str, num_layers: int) -> dict[str, str]:
+    """llama.cpp's tensor name for each HF name, from the gguf package's per-arch map (the
+    same HF name can mean another GGUF tensor per arch: Llama's post_attention_layernorm
+    is ffn_norm, Gemma's is post_attention_norm)."""
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    arch_id = by_name.get(arch, by_name["llama"])  # "mistral": llama.cpp's Llama layout
+    tmap = gguf.get_tensor_name_map(arch_id, num_layers)
+    names = {}
+    for hf in expected:
+        g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if g is None:
+            raise ModelLoadError(f"the gguf package has no {arch} name for tensor {hf}")
+        names[hf] = g
     return names
 
 

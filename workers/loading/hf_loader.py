@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -19,18 +18,26 @@ from kvserve.workers.loading.loader import (
     expected_weight_shapes,
     warn_unused,
 )
-from kvserve.workers.loading.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.workers.loading.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
-logger = logging.getLogger(__name__)
-
-_CAUSAL_LM_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
+# HF model_type -> (ModelConfig.architecture, the causal-LM class its config names)
+_HF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # transformers' defaults for keys a config.json may omit
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
-_DEFAULT_SLIDING_WINDOW = {"llama": None, "mistral": 4096, "qwen2": 4096}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
+                          "gemma2": 8192, "gemma3": 131072, "phi3": 4096}
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma2": 4096,
+                           "gemma3": 4096}
+# Gemma: every n-th layer attends globally, the others through the sliding window
+_DEFAULT_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _WEIGHT_FILES = (
     "model.safetensors.index.json",
     "model.safetensors",
@@ -90,17 +97,16 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
     """ModelConfig from a parsed config.json (old and transformers-5 layouts)."""
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    model_type = raw.get("model_type")
+    if model_type not in _HF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{source}: unsupported architecture {arch!r} (model_type); "
-            f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: unsupported architecture {model_type!r} (model_type); "
+            f"kvserve supports {', '.join(_HF_ARCHITECTURES)}"
         )
+    arch, causal_lm = _HF_ARCHITECTURES[model_type]
     classes = raw.get("architectures") or []
-    if classes and _CAUSAL_LM_CLASSES[arch] not in classes:
-        raise ModelLoadError(
-            f"{source}: unsupported model class {classes}; expected {_CAUSAL_LM_CLASSES[arch]}"
-        )
+    if classes and causal_lm not in classes:
+        raise ModelLoadError(f"{source}: unsupported model class {classes}; expected {causal_lm}")
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
@@ -108,10 +114,15 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
             f"{source}: quantized checkpoints ({method}) are not supported; use an "
             "unquantized model directory or a GGUF file"
         )
-    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ModelLoadError(f"{source}: unsupported activation {raw.get('hidden_act')!r}")
+    gemma = arch in ("gemma2", "gemma3")
+    act_key = "hidden_activation" if gemma and raw.get("hidden_activation") else "hidden_act"
+    act = _ACTIVATIONS.get(raw.get(act_key, "gelu_pytorch_tanh" if gemma else "silu"))
+    if act is None or (gemma and act != "gelu_tanh") or (not gemma and act != "silu"):
+        raise ModelLoadError(f"{source}: unsupported activation {raw.get(act_key)!r} for {arch}")
     if arch != "qwen2" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ModelLoadError(f"{source}: attention/MLP biases are not supported for {arch}")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: bidirectional attention (an embedding model) is not supported")
 
     def get(key: str, kind: type, default: Any = None) -> Any:
         value = raw.get(key)
@@ -128,6 +139,7 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
     hidden = get("hidden_size", int)
     num_heads = get("num_attention_heads", int)
     num_kv_heads = get("num_key_value_heads", int, num_heads)
+    num_layers = get("num_hidden_layers", int)
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ModelLoadError(
             f"{source}: invalid head counts: {num_heads} query heads, {num_kv_heads} KV heads"
@@ -136,14 +148,25 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
         raise ModelLoadError(f"{source}: hidden_size {hidden} is not a multiple of the heads")
     head_dim = get("head_dim", int, hidden // num_heads)
 
-    rope_theta, rope_scaling = _rope(raw, source)
+    rope = _rope(raw, source)
     max_positions = get("max_position_embeddings", int, _DEFAULT_MAX_POSITIONS[arch])
-    window = _sliding_window(raw, arch)
-    if window is not None and window < max_positions:
-        # kvserve attends to the full context; capping the context at the window keeps
-        # results identical to the reference sliding-window attention.
-        logger.info("%s: sliding window %d: limiting the context to it", source, window)
-        max_positions = window
+    rotary_dim = None
+    if rope.partial_factor != 1.0:
+        rotary_dim = int(head_dim * rope.partial_factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {rope.partial_factor} gives "
+                                 f"{rotary_dim} rotary dims of {head_dim}")
+    if rope.scaling is not None and rope.scaling["rope_type"] == "longrope":
+        # The pre-training context is the default one, as in vLLM: a longer max_model_len
+        # switches every position to the long factors (see layers/rope.py).
+        original = rope.scaling.get("original_max_position_embeddings",
+                                    raw.get("original_max_position_embeddings"))
+        if not isinstance(original, int) or original <= 0:
+            raise ModelLoadError(f"{source}: longrope needs original_max_position_embeddings")
+        rope.scaling["original_max_position_embeddings"] = original
+        rope.scaling.setdefault("max_position_embeddings", max_positions)
+        max_positions = min(max_positions, original)
+    window, layer_types = _sliding_window(raw, arch, num_layers, source)
 
     generation = generation or {}
     eos: list[int] = []
@@ -153,69 +176,120 @@ def config_from_hf(raw: Any, source: str, generation: dict[str, Any] | None = No
                 eos.append(token)
     bos = raw.get("bos_token_id", generation.get("bos_token_id"))
 
+    def optional(key: str) -> float | None:
+        return None if raw.get(key) is None else get(key, float)
+
     return ModelConfig(
         architecture=arch,
         vocab_size=get("vocab_size", int),
         hidden_size=hidden,
         intermediate_size=get("intermediate_size", int),
-        num_layers=get("num_hidden_layers", int),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Gemma ties its embeddings unless told otherwise (transformers' default)
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         attention_bias=arch == "qwen2",  # Qwen2 always has q/k/v biases
         bos_token_id=bos if isinstance(bos, int) else None,
         eos_token_ids=eos,
         name=os.path.basename(os.path.normpath(os.path.dirname(source))),
+        hidden_act=act,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rotary_dim=rotary_dim,
+        embed_scale=hidden**0.5 if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        query_pre_attn_scalar=get("query_pre_attn_scalar", float, 256.0) if gemma else None,
+        # Gemma 3's attention ignores attn_logit_softcapping, as transformers' does
+        attn_logit_softcapping=optional("attn_logit_softcapping") if arch == "gemma2" else None,
+        final_logit_softcapping=optional("final_logit_softcapping") if gemma else None,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=rope.local_theta,
     )
 
 
-def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, HF-style rope_scaling) from either config layout.
+class _Rope:
+    def __init__(self, theta: float, scaling: dict[str, Any] | None, partial_factor: float,
+                 local_theta: float | None) -> None:
+        self.theta = theta
+        self.scaling = scaling
+        self.partial_factor = partial_factor
+        self.local_theta = local_theta  # Gemma 3's sliding layers
+
+
+def _rope(raw: dict[str, Any], source: str) -> _Rope:
+    """RoPE settings from either config layout.
 
     transformers >= 5 writes "rope_parameters" holding rope_theta and the scaling
-    keys together; older configs have top-level rope_theta and rope_scaling.
+    keys together (Gemma 3: one such dict per layer type); older configs have top-level
+    rope_theta, rope_scaling, partial_rotary_factor and rope_local_base_freq.
     """
     params = raw.get("rope_parameters")
+    local_theta = raw.get("rope_local_base_freq")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        local = params.get("sliding_attention") or {}
+        local_kind = local.get("rope_type", local.get("type", "default"))
+        if local_kind != "default":
+            raise ModelLoadError(f"{source}: rope scaling {local_kind!r} on sliding layers is not supported")
+        local_theta = local.get("rope_theta", local_theta)
+        params = params["full_attention"]
     if isinstance(params, dict):
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
         scaling: Any = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
         theta = raw.get("rope_theta", 10000.0)
         scaling = raw.get("rope_scaling")
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise ModelLoadError(f"{source}: rope_theta must be a number, got {theta!r}")
-    if scaling is None:
-        return float(theta), None
-    if not isinstance(scaling, dict):
+    for key, value in (("rope_theta", theta), ("rope_local_base_freq", local_theta)):
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ModelLoadError(f"{source}: {key} must be a number, got {value!r}")
+    partial = raw.get("partial_rotary_factor", 1.0)
+    if scaling is not None and not isinstance(scaling, dict):
         raise ModelLoadError(f"{source}: rope_scaling must be an object, got {scaling!r}")
-    scaling = dict(scaling)
+    scaling = dict(scaling or {})
+    partial = scaling.pop("partial_rotary_factor", partial)
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial!r}")
     # Old configs name the kind "type"; HF itself now reads "rope_type".
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
     scaling.pop("type", None)
+    if kind in ("su", "yarn") and raw.get("model_type") == "phi3":
+        kind = "longrope"  # Phi-3's old names for it, as transformers reads them
+    local = None if local_theta is None else float(local_theta)
     if kind in (None, "default"):
-        return float(theta), None
-    return float(theta), {"rope_type": kind, **scaling}
+        return _Rope(float(theta), None, float(partial), local)
+    return _Rope(float(theta), {"rope_type": kind, **scaling}, float(partial), local)
 
 
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    window = raw.get("sliding_window", _DEFAULT_SLIDING_WINDOW[arch])
-    if arch == "qwen2":
-        # Qwen2 slides only when asked to, and then only on layers >= max_window_layers
-        # (transformers 5 spells the outcome out in layer_types).
-        layer_types = raw.get("layer_types")
-        if isinstance(layer_types, list):
-            slides = "sliding_attention" in layer_types
-        else:
-            first = raw.get("max_window_layers", 28)
-            slides = bool(raw.get("use_sliding_window")) and first < raw.get("num_hidden_layers", 0)
-        if not slides:
-            return None
-    return window if isinstance(window, int) and window > 0 else None
+def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int,
+                    source: str) -> tuple[int | None, list[str] | None]:
+    """(window, per-layer types) as transformers builds them for `arch`; (None, None) when
+    no layer slides."""
+    window = raw.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(arch))
+    if arch == "llama" or not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None, None
+    types = raw.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+            raise ModelLoadError(f"{source}: layer_types {types!r} do not fit {num_layers} layers")
+    elif arch in ("qwen2", "qwen3"):
+        # Qwen slides only when asked to, and then only on layers >= max_window_layers
+        first = raw.get("max_window_layers", 28)
+        slides = bool(raw.get("use_sliding_window"))
+        types = [SLIDING_ATTENTION if slides and i >= first else FULL_ATTENTION for i in range(num_layers)]
+    elif arch in _DEFAULT_GLOBAL_EVERY:
+        every = raw.get("sliding_window_pattern", _DEFAULT_GLOBAL_EVERY[arch])
+        types = [FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(num_layers)]
+    else:  # Mistral, Phi-3: every layer
+        types = [SLIDING_ATTENTION] * num_layers
+    if SLIDING_ATTENTION not in types:
+        return None, None
+    return window, list(types)
 
 
 def _weight_files(path: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Model weight loading: one entry point for GGUF files and Hugging Face directories.
 
-Both loaders return weights under Hugging Face Llama names with HF shapes
+Both loaders return weights under the architecture's Hugging Face names with HF shapes
 (out_features, in_features), so the model code never sees the file format.
 """
 
@@ -26,7 +26,7 @@ EXPECTED_INPUT = "a .gguf file or a Hugging Face model directory containing conf
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    # HF Llama names -> tensors in the requested dtype; "lm_head.weight" absent when tied
+    # HF names -> tensors in the requested dtype; "lm_head.weight" absent when tied
     weights: dict[str, torch.Tensor]
     path: str
     # Raw ggml blocks of 2-D weights in a type the CPU kernel reads (GGUF float32
@@ -65,10 +65,12 @@ def _has_gguf_magic(path: str) -> bool:
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, by HF name, with its HF (out, in) shape."""
+    """Every tensor the model needs, by its HF name for the architecture, with its HF
+    (out, in) shape."""
     h = config.hidden_size
-    q_out = config.num_heads * config.head_dim
-    kv_out = config.num_kv_heads * config.head_dim
+    d = config.head_dim
+    q_out = config.num_heads * d
+    kv_out = config.num_kv_heads * d
     ffn = config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
@@ -76,21 +78,34 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    fused = config.architecture == "phi3"  # Phi-3 stores q/k/v and gate/up fused
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        if fused:
+            shapes[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
-        shapes[p + "mlp.up_proj.weight"] = (ffn, h)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if fused:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
+            shapes[p + "mlp.up_proj.weight"] = (ffn, h)
         shapes[p + "mlp.down_proj.weight"] = (h, ffn)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     return shapes
 
 

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from kvserve.errors import InvalidRequestError, ModelLoadError
+from kvserve.tools import prompt as tools_prompt
 from kvserve.workers.loading.chat_template import render_chat, select_template
 from kvserve.workers.loading.detokenizer import BytePieces, IncrementalDetokenizer, byte_alphabet
 
@@ -120,6 +121,11 @@ class Tokenizer:
                 f"the model at {self.source} has no chat template, so chat messages cannot be "
                 "formatted; send a plain prompt instead"
             )
+        # tools and tool messages: as the template takes them, or kvserve's default tools
+        # prompt where it has no tools section
+        messages, tools = tools_prompt.render_inputs(template, messages, kwargs.pop("tools", None))
+        if tools:
+            kwargs["tools"] = tools
         text = render_chat(
             template,
             messages,

@@ -19,6 +19,24 @@ from kvserve.kvcache.device_cache import DeviceKVCache
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes beyond plain causal softmax(q k^T / sqrt(d)) v."""
+
+    scale: float  # multiplies q k^T (1/sqrt(head_dim) unless the model says otherwise)
+    window: int | None = None  # a query at position p sees keys p - window < j <= p
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap)
+
+
+def plain_layers(num_layers: int, head_dim: int) -> list[LayerAttention]:
+    return [LayerAttention(head_dim**-0.5)] * num_layers
+
+
+def window_start(seq_or_pos: int, window: int | None) -> int:
+    """First key a query at position `seq_or_pos` still sees (0 without a window)."""
+    return 0 if window is None else max(0, seq_or_pos - window + 1)
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # new tokens per stream in this step
@@ -43,6 +61,9 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+
+    def configure(self, layers: list[LayerAttention]) -> None:
+        """Each layer's scale, window and soft-cap (once, after the model is built)."""
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         """Build per-step index data once; every layer reuses it."""

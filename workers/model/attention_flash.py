@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kvcache.device_cache import DeviceKVCache
-from kvserve.workers.model.attention import AttentionMetadata
+from kvserve.workers.model.attention import AttentionMetadata, LayerAttention
 
 try:
     from vllm_flash_attn import flash_attn_varlen_func
@@ -28,6 +28,10 @@ class FlashAttention:
             raise RuntimeError("the flash backend needs a CUDA device")
         if block_size % 16:
             raise ValueError(f"the flash backend needs block_size divisible by 16, got {block_size}")
+        self.layers: list[LayerAttention] | None = None
+
+    def configure(self, layers: list[LayerAttention]) -> None:
+        self.layers = layers
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         n_blocks = max(len(t) for t in meta.block_tables)
@@ -58,9 +62,14 @@ class FlashAttention:
         cache.write(layer, meta.slot_mapping, k, v)
         kc, vc = cache.layer(layer)
         p = meta.prepared
+        extra = {}
+        if self.layers is not None:  # flash-attn's own window, softcap and scale arguments
+            spec = self.layers[layer]
+            extra = {"softmax_scale": spec.scale, "softcap": spec.softcap or 0.0,
+                     "window_size": (-1, -1) if spec.window is None else (spec.window - 1, 0)}
         return flash_attn_varlen_func(
             q=q, k=kc, v=vc,
             cu_seqlens_q=p["cu_seqlens_q"], max_seqlen_q=p["max_seqlen_q"],
             seqused_k=p["seqused_k"], max_seqlen_k=p["max_seqlen_k"],
-            causal=True, block_table=p["block_table"],
+            causal=True, block_table=p["block_table"], **extra,
         )

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvserve.kvcache.device_cache import DeviceKVCache
-from kvserve.workers.model.attention import AttentionMetadata
+from kvserve.workers.model.attention import AttentionMetadata, LayerAttention
 from kvserve.workers.model.step_inputs import to_device
 from kvserve.workers.model.triton_paged_attention import paged_attention
 
@@ -62,6 +62,12 @@ def pad_tables(tables: list[list[int]], seq_lens: np.ndarray, block_size: int) -
 class TritonAttention:
     name = "triton"
 
+    def __init__(self) -> None:
+        self.layers: list[LayerAttention] | None = None  # None: plain attention everywhere
+
+    def configure(self, layers: list[LayerAttention]) -> None:
+        self.layers = layers
+
     def host_plan(self, meta: AttentionMetadata) -> list[np.ndarray]:
         """The kernel's integer inputs for this step (the runner copies them with its own):
         the tiles, and a padded block-table array unless the step reads the persistent one."""
@@ -106,4 +112,8 @@ class TritonAttention:
         stored them)."""
         kc, vc = cache.layer(layer)
         p: TritonStep = meta.prepared
-        return paged_attention(q, kc, vc, p.tables, p.tiles, p.block_q)
+        if self.layers is None:
+            return paged_attention(q, kc, vc, p.tables, p.tiles, p.block_q)
+        spec = self.layers[layer]
+        return paged_attention(q, kc, vc, p.tables, p.tiles, p.block_q, scale=spec.scale,
+                               window=spec.window, softcap=spec.softcap)

@@ -78,7 +78,8 @@ def load_paged_decode() -> ctypes.CDLL | None:
         return None
     f = lib.paged_decode_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    f.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                  ctypes.c_float, ctypes.c_int]
     f.restype = ctypes.c_int
     return lib
 

@@ -35,7 +35,7 @@ import torch
 from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.workers.model.attention_triton import PREFILL_TILE, TritonStep, build_tiles
-from kvserve.workers.model.llama import LlamaModel
+from kvserve.workers.model.layers.decoder import DecoderModel
 from kvserve.workers.model.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def mixed_keys(max_tokens: int, max_streams: int) -> list[GraphKey]:
 
 
 class StepGraphs:
-    def __init__(self, model: LlamaModel, cache: DeviceKVCache, attn: AttentionBackend,
+    def __init__(self, model: DecoderModel, cache: DeviceKVCache, attn: AttentionBackend,
                  max_batch: int, tables: torch.Tensor, scratch_block: int,
                  max_tokens: int = 0, extra: int = 0) -> None:
         """`tables`: the device mirror of the persistent block tables the graphs read;

@@ -27,7 +27,7 @@ from kvserve.kvcache.host_cache import HostTier, default_host_bytes
 from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.loading.loader import LoadedModel
 from kvserve.workers.model.attention import AttentionMetadata, select_backend
-from kvserve.workers.model.llama import LlamaModel
+from kvserve.workers.model.models.registry import build_model
 from kvserve.workers.model.step_inputs import build_step, to_device
 
 if TYPE_CHECKING:  # needs triton: imported only where graphs are used
@@ -88,19 +88,26 @@ class ModelRunner:
         cfg = loaded.config
         self.model_config = cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.model = LlamaModel(
+        self.model = build_model(
             cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
             quantized=loaded.quantized, quantized_decode=config.quantized_decode,
         )
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
-        max_tokens = min(self.max_model_len, config.num_blocks * config.block_size)
+        # every layer windowed (Mistral, Phi-3 with sliding_window): blocks no window reaches
+        # are released; with global layers among them (Gemma) every block stays
+        window = cfg.sliding_window if cfg.sliding_window is not None and cfg.all_sliding else None
+        # a windowed stream is not capped by the pool (its table keeps released ids)
+        max_tokens = self.max_model_len
+        if window is None:
+            max_tokens = min(max_tokens, config.num_blocks * config.block_size)
         # a row of the persistent block tables per running stream, as wide as a stream can grow
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 max_blocks_per_stream=-(-max_tokens // config.block_size),
+                                 window, max_blocks_per_stream=-(-max_tokens // config.block_size),
                                  slots=config.max_num_seqs, pin_tables=on_cuda)
         self.tables = DeviceTables(self.kv.tables, self.device) if on_cuda else None
         self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
+        self.attn.configure(self.model.attention_layers)
         log.info("attention backend: %s", self.attn.name)
         use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
         # with CUDA graphs, one block past the pool takes the padding rows' K/V writes

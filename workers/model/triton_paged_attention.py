@@ -6,7 +6,9 @@ and one KV head: its rows are the tile's tokens times the query heads that share
 KV head (GQA), so K/V are read once for the whole group. The program walks the stream's
 keys through its block table (any block order, any block size), causal to each row's
 position, with an online softmax. Prefill chunks after cached context, plain prefill
-and decode tokens all take the same path.
+and decode tokens all take the same path. A sliding-window layer starts the walk at the
+tile's first reachable key and masks per row; a soft-capped layer (Gemma 2) passes the
+scores through cap * tanh(s / cap) before the mask.
 
 Decode at small batch has too few (tile, KV head) programs to fill the GPU, so the keys
 are also split across programs (flash-decoding): each split writes its unnormalized
@@ -42,7 +44,7 @@ def _paged_attention_kernel(
     tables_ptr, table_stride,  # [S, max_blocks] int32 or int64
     tile_stream_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr,  # [num_tiles] each
     part_ptr, ml_ptr, n_tokens, n_heads,  # split scratch: [SPLITS, T, Hq, D_P], [2, SPLITS, T, Hq]
-    sm_scale,
+    sm_scale, window, softcap,  # window: keys a row sees, itself included (WINDOWED only)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
@@ -55,6 +57,8 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,  # float32 dots without TF32
     UPCAST: tl.constexpr,  # dots in float32 (the interpreter's bfloat16 dot is wrong)
     SPLITS: tl.constexpr,  # programs sharing one tile's keys (1: no scratch, no merge)
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -79,11 +83,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_P], dtype=tl.float32)
     n_keys = pos0 + n_q
-    lo = 0
+    k_lo = 0
+    if WINDOWED:  # the tile's first row sees nothing before this key; later rows even less
+        k_lo = tl.maximum(pos0 - window + 1, 0)
+    lo = k_lo
     hi = n_keys
     if SPLITS > 1:  # this program's share of the keys, whole BLOCK_N steps
-        chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(n_keys - k_lo, SPLITS), BLOCK_N) * BLOCK_N
+        lo = k_lo + split * chunk
         hi = tl.minimum(n_keys, lo + chunk)
     table = tables_ptr + stream * table_stride
     for start in range(lo, hi, BLOCK_N):
@@ -101,7 +108,12 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * sm_scale
-        s = tl.where((j[None, :] <= pos[:, None]) & j_ok[None, :], s, -1.0e30)
+        if SOFTCAP:
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+        seen = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+        if WINDOWED:
+            seen = seen & (j[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -176,11 +188,16 @@ def paged_attention(
     block_q: int,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its own stream's paged KV (causal).
 
     `splits` (decode tiles only, block_q == 1): programs per tile sharing its keys; None
-    picks by the tile count and the device's SMs."""
+    picks by the tile count and the device's SMs. `scale` multiplies q k^T (default
+    1/sqrt(D)); `window` limits a query at position p to keys p - window < j <= p;
+    `softcap` caps the scores at +-softcap with tanh."""
     t, hq, d = q.shape
     nb, bs, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
@@ -212,12 +229,13 @@ def paged_attention(
         block_tables, block_tables.stride(0),
         tiles[0], tiles[1], tiles[2], tiles[3],
         part, ml, t, hq,
-        d**-0.5,
+        d**-0.5 if scale is None else scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kf.stride(0), kf.stride(1),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p),
         HEAD_DIM=d, HEAD_DIM_P=d_p, BS=bs, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
-        SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
+        SPLITS=splits, WINDOWED=window is not None, SOFTCAP=softcap is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(t, hq)](

@@ -70,10 +70,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys }}true{{ end }}
 {{- end }}
 
-{{/* The model path in the pods, or "" for the embedded default model. */}}
+{{/* The model in the serve config: the Hub name (with @revision), the path in the pods, or ""
+for the embedded default model. */}}
 {{- define "kvserve.modelPath" -}}
+{{- if .Values.model.id }}
+{{- .Values.model.id }}{{ with .Values.model.revision }}@{{ . }}{{ end }}
+{{- else }}
 {{- with .Values.model.path }}
 {{- if hasPrefix "/" . }}{{ . }}{{ else }}{{ printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) . }}{{ end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -82,6 +87,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $v := .Values.model.volume }}
 {{- if and $v.persistentVolumeClaim $v.hostPath }}
 {{- fail "model.volume: set persistentVolumeClaim or hostPath, not both" }}
+{{- end }}
+{{- if and .Values.model.id .Values.model.path }}
+{{- fail "model: set id (a Hugging Face Hub name) or path (a file on a volume), not both" }}
+{{- end }}
+{{- if and .Values.model.revision (not .Values.model.id) }}
+{{- fail "model.revision needs model.id (a Hugging Face Hub name)" }}
 {{- end }}
 {{- if and .Values.model.path (not (hasPrefix "/" .Values.model.path)) (not (or $v.persistentVolumeClaim $v.hostPath)) }}
 {{- fail "model.path is relative to the model volume: set model.volume.persistentVolumeClaim or model.volume.hostPath (or give an absolute path inside the image)" }}
@@ -118,6 +129,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     type: {{ .hostPathType }}
 {{- end }}
 {{- end }}
+{{- if .Values.model.id }}
+{{- with .Values.model.cache }}
+- name: hf-cache
+{{- if .persistentVolumeClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .persistentVolumeClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "kvserve.volumeMounts" -}}
@@ -127,6 +150,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
+{{- end }}
+{{- if .Values.model.id }}
+- name: hf-cache
+  mountPath: {{ .Values.model.cache.mountPath }}
 {{- end }}
 {{- end }}
 
@@ -138,6 +165,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     secretKeyRef:
       name: {{ include "kvserve.apiKeysSecretName" . }}
       key: {{ .Values.apiKeys.secretKey }}
+{{- end }}
+{{- if .Values.model.id }}
+- name: HF_HOME
+  value: {{ .Values.model.cache.mountPath | quote }}
+{{- end }}
+{{- with .Values.model.token.existingSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.model.token.secretKey }}
+{{- end }}
+{{- if .Values.model.offline }}
+- name: HF_HUB_OFFLINE
+  value: "1"
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}

@@ -1,7 +1,9 @@
 // Paged decode attention on the CPU: one query token per stream, reading the
 // stream's KV blocks in place through its block table (no gather, no padding).
 // Work items are (stream, kv head) pairs, so GQA query heads that share a KV
-// head read it once, and the work per stream follows its own length.
+// head read it once, and the work per stream follows its own length. A sliding
+// window starts the walk at the window's first block (keys before it are never
+// read); a soft-cap (Gemma 2) passes the scores through cap * tanh(s / cap).
 //
 // With AVX2+FMA (and D a multiple of 8) the scores, the softmax exponentials and
 // the V accumulation run 8 lanes wide; the exponential is a polynomial, since a
@@ -28,6 +30,18 @@ static inline void begin_item(const float *q, float (*qs)[MAX_D], float (*acc)[M
         memset(acc[r], 0, sizeof(float) * D);
         m[r] = -INFINITY;
         l[r] = 0.f;
+    }
+}
+
+// Per block: soft-cap the scores and mask the keys before the window's first one
+// (their scores were never computed).
+static inline void fix_scores(float (*s)[MAX_BS + 8], int64_t rep, int64_t n, int64_t t0,
+                              int64_t first, float cap) {
+    const int64_t j0 = t0 < first ? first - t0 : 0;
+    for (int64_t r = 0; r < rep; ++r) {
+        for (int64_t j = 0; j < j0; ++j) s[r][j] = -INFINITY;
+        if (cap > 0.f)
+            for (int64_t j = j0; j < n; ++j) s[r][j] = cap * tanhf(s[r][j] / cap);
     }
 }
 
@@ -75,14 +89,14 @@ static inline float hsum(__m256 v) {
 static inline __attribute__((always_inline)) void item_avx2(
     const float *q, const float *k, const float *v, float *out, const int32_t *table,
     int32_t L, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, const int64_t D, int64_t bs,
-    int64_t rep, float scale) {
+    int64_t rep, float scale, int64_t first, float cap) {
     float qs[MAX_REP][MAX_D] __attribute__((aligned(32)));
     float acc[MAX_REP][MAX_D] __attribute__((aligned(32)));
     float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
     float m[MAX_REP], l[MAX_REP];
     const int64_t C = D / 8;
     begin_item(q, qs, acc, m, l, b, h, Hq, D, rep, scale);
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    for (int64_t t0 = first / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
         if (t0 + bs < L) {
@@ -95,7 +109,8 @@ static inline __attribute__((always_inline)) void item_avx2(
                     _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
                 }
         }
-        for (int64_t j = 0; j < n; ++j) {
+        const int64_t j0 = t0 < first ? first - t0 : 0;  // keys before the window: unread
+        for (int64_t j = j0; j < n; ++j) {
             const float *kj = k + (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -108,6 +123,7 @@ static inline __attribute__((always_inline)) void item_avx2(
                 s[r][j] = hsum(_mm256_add_ps(a0, a1));
             }
         }
+        fix_scores(s, rep, n, t0, first, cap);
         for (int64_t r = 0; r < rep; ++r) {
             float mx = m[r];
             for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
@@ -140,7 +156,7 @@ static inline __attribute__((always_inline)) void item_avx2(
                 const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
                 __m256 a[8];
                 for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(acc[r] + 8 * (cg + c));
-                for (int64_t j = 0; j < n; ++j) {
+                for (int64_t j = j0; j < n; ++j) {
                     const float *vj = v + (base + j * Hkv) * D + 8 * cg;
                     const __m256 p = _mm256_set1_ps(s[r][j]);
                     for (int64_t c = 0; c < cn; ++c)
@@ -157,16 +173,18 @@ static inline __attribute__((always_inline)) void item_avx2(
 // The portable path (any D, no AVX2): same algorithm, libm exponentials.
 static void item_generic(const float *q, const float *k, const float *v, float *out,
                          const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t bs, int64_t rep, float scale) {
+                         int64_t Hkv, int64_t D, int64_t bs, int64_t rep, float scale,
+                         int64_t first, float cap) {
     float qs[MAX_REP][MAX_D];
     float acc[MAX_REP][MAX_D];
     float m[MAX_REP], l[MAX_REP];
-    float s[MAX_REP][MAX_BS];
+    float s[MAX_REP][MAX_BS + 8];
     begin_item(q, qs, acc, m, l, b, h, Hq, D, rep, scale);
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    for (int64_t t0 = first / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
-        for (int64_t j = 0; j < n; ++j) {
+        const int64_t j0 = t0 < first ? first - t0 : 0;
+        for (int64_t j = j0; j < n; ++j) {
             const float *kj = k + (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 float dot = 0.f;
@@ -174,6 +192,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
                 s[r][j] = dot;
             }
         }
+        fix_scores(s, rep, n, t0, first, cap);
         // online softmax: rescale what we have once per block, not per token
         for (int64_t r = 0; r < rep; ++r) {
             float mx = m[r];
@@ -187,7 +206,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             }
             m[r] = mx;
         }
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
             const float *vj = v + (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 const float p = s[r][j];
@@ -198,11 +217,12 @@ static void item_generic(const float *q, const float *k, const float *v, float *
     end_item(out, acc, l, b, h, Hq, D, rep);
 }
 
-// q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32
+// q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32;
+// window: keys a query sees, itself included (0: all); cap: score soft-cap (0: none)
 int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
                      const int32_t *tables, const int32_t *seq_lens, int64_t B,
                      int64_t max_blocks, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                     float scale, int n_threads) {
+                     float scale, int64_t window, float cap, int n_threads) {
     if (Hq % Hkv || Hq / Hkv > MAX_REP || D > MAX_D || bs > MAX_BS) return -1;
     const int64_t rep = Hq / Hkv;
     const int64_t items = B * Hkv;
@@ -211,21 +231,22 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
         const int64_t b = it / Hkv, h = it % Hkv;
         const int32_t L = seq_lens[b];
         const int32_t *table = tables + b * max_blocks;
+        const int64_t first = window > 0 && L > window ? L - window : 0;
 #ifdef KV_AVX2
         if (D == 64) {
-            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 64, bs, rep, scale);
+            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 64, bs, rep, scale, first, cap);
             continue;
         }
         if (D == 128) {
-            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 128, bs, rep, scale);
+            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 128, bs, rep, scale, first, cap);
             continue;
         }
         if (D % 8 == 0) {
-            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale);
+            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale, first, cap);
             continue;
         }
 #endif
-        item_generic(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale);
+        item_generic(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale, first, cap);
     }
     return 0;
 }

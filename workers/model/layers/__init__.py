@@ -1,0 +1,1 @@
+"""Layers every model family is built from: norms, MLPs, the attention block, RoPE."""

@@ -1,0 +1,1 @@
+"""Model families, one file each, over the shared layers; `registry.py` maps names to them."""

@@ -1,0 +1,53 @@
+"""Model families by architecture: ModelConfig.architecture (the loaders map HF
+`model_type` and GGUF `general.architecture` to it) -> the class that builds the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.workers.loading.model_config import ModelConfig
+from kvserve.workers.loading.quant_format import QuantizedWeight
+from kvserve.workers.model.layers.decoder import DecoderModel
+from kvserve.workers.model.layers.weights import Weights
+from kvserve.workers.model.models.gemma2 import Gemma2ForCausalLM
+from kvserve.workers.model.models.gemma3 import Gemma3ForCausalLM
+from kvserve.workers.model.models.llama import LlamaForCausalLM
+from kvserve.workers.model.models.phi3 import Phi3ForCausalLM
+from kvserve.workers.model.models.qwen3 import Qwen3ForCausalLM
+
+# (config, weights, device, dtype, max positions) -> model
+FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, int], DecoderModel]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+}
+
+
+def build_model(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantized: dict[str, QuantizedWeight] | None = None,
+    quantized_decode: bool = True,
+) -> DecoderModel:
+    family = FAMILIES.get(cfg.architecture)
+    if family is None:
+        raise ModelLoadError(f"{cfg.name or 'model'}: no model family for {cfg.architecture!r}")
+    # Small-batch linears read the raw GGUF blocks through the C kernel (CPU float32
+    # only; Linear ignores them elsewhere); without a compiler, fp32 everywhere.
+    lib = None
+    if quantized and quantized_decode and device.type == "cpu" and dtype == torch.float32:
+        from kvserve.workers.model.cpu_kernels import load_qgemv
+
+        lib = load_qgemv()
+    w = Weights(cfg, weights, device, dtype, quantized, lib)
+    return family(cfg, w, device, dtype, max_positions)
