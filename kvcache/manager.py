@@ -2,10 +2,11 @@
 
 Every stream (one sequence) owns a block table and attends only to its own
 KV. A step is planned first: `reserve` checks that every block the step will
-write fits, and only then takes them; if they do not fit it raises
-`KVCacheFull` and nothing has changed. After the forward pass succeeds,
-`commit` records the computed tokens and publishes newly full blocks to the
-prefix cache; if the forward raised, `rollback` returns the reserved blocks.
+write fits, and only then takes them and advances the streams to the step's
+targets; if they do not fit it raises `KVCacheFull` and nothing has changed.
+After the forward pass succeeds, `commit` publishes newly full blocks to the
+prefix cache; if the forward raised, `rollback` returns the reserved blocks and
+puts the streams back where they were.
 Writes only ever touch a stream's private tail blocks (shared blocks are full
 and immutable), so a failed step cannot corrupt another stream's KV.
 
@@ -14,10 +15,13 @@ first, then on host (served by copy into newly reserved blocks); device blocks
 whose cached content the allocator drops are listed in the plan so the runner
 can demote them to host before the forward overwrites them.
 
+The block tables also live in one persistent array (`block_tables.py`), a row per
+stream, written only where a step took blocks; steps read their rows from it.
+
 When every layer of the model attends through a sliding window (`window`), `commit`
-releases a stream's leading blocks once no future query can reach them: the table keeps
-their (stale) ids so positions still index it, and `StreamState.num_dropped` says how many
-lead it. Full dropped blocks stay in the prefix cache until the allocator reuses them.
+releases a stream's leading blocks once no future query can reach them: the table (and its
+row) keeps their (stale) ids so positions still index it, and `StreamState.num_dropped` says
+how many lead it. Full dropped blocks stay in the prefix cache until the allocator reuses them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.block_tables import BlockTables
 from kvserve.kvcache.hashing import ROOT_HASH, hash_block
 
 if TYPE_CHECKING:
@@ -44,9 +49,12 @@ class KVCacheFull(Exception):
 @dataclass
 class StreamState:
     block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is written and valid
+    # tokens whose KV is written and valid, or whose writing the reserved step queued
+    num_computed: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_cached_prompt: int = 0  # tokens served from the prefix cache on admission
+    slot: int = -1  # the stream's row in the persistent block-table array
+    plan: PlannedStream | None = None  # its part of the last plan, reused by the next one
     num_dropped: int = 0  # leading blocks released: outside every layer's window
 
     @property
@@ -63,6 +71,7 @@ class StreamStep:
     token_ids: list[int]  # every token known for the stream so far
     target: int
     resume: ParkedKV | None = None  # a parked stream coming back: its host tail is usable
+    pending: int = 0  # sampled tokens past `token_ids` still on the device (async scheduling)
 
 
 @dataclass
@@ -87,6 +96,8 @@ class PlannedStream:
     num_new_blocks: int = 0
     host_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) to copy in
     host_tokens: int = 0  # tokens of `start` served from host by copy
+    slot: int = -1  # row of `block_ids` in the persistent block-table array
+    state: StreamState | None = None  # the stream's state (set once reserved)
 
 
 @dataclass
@@ -94,6 +105,10 @@ class StepPlan:
     streams: list[PlannedStream]
     token_ids: dict[str, list[int]]
     demoted: list[tuple[int, int]] = field(default_factory=list)  # (device block, hash) reused
+    tables: BlockTables | None = None  # every stream's row, `slot` of each planned stream
+    restores: list[PlannedStream] = field(default_factory=list)  # new streams with host_in
+    num_tokens: int = 0  # tokens the step computes (sum of target - start)
+    publish: list[PlannedStream] = field(default_factory=list)  # streams that fill a block
 
 
 # The empty new_blocks/cached_blocks/host_in of a running stream's plan (never mutated: rollback and
@@ -104,13 +119,18 @@ _NO_PAIRS: list[tuple[int, int]] = []
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None) -> None:
+                 window: int | None = None, max_blocks_per_stream: int | None = None,
+                 slots: int = 16, pin_tables: bool = False) -> None:
         """`window`: every layer's sliding window (keys a query sees, itself included), when
-        all layers have one; blocks no query can reach any more are then released."""
+        all layers have one; blocks no query can reach any more are then released.
+        `max_blocks_per_stream` (default: the pool) is the block-table array's width; a
+        step that would grow a stream past it raises ValueError before changing anything.
+        `slots`: the array's initial rows (it grows when more streams run at once)."""
         self.block_size = block_size
         self.window = window
         self.blocks_dropped = 0  # blocks released by windows, in total
         self.pool = BlockPool(num_blocks)
+        self.tables = BlockTables(max_blocks_per_stream or num_blocks, slots, pin_tables)
         self.enable_prefix_caching = enable_prefix_caching
         self.streams: dict[str, StreamState] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -206,39 +226,73 @@ class KVCacheManager:
     def reserve(self, steps: list[StreamStep]) -> StepPlan:
         """Reserve every block the step writes, all or nothing.
 
-        A running stream costs a few attribute reads here (its decode step usually needs no
-        new block); only new streams look up prefixes, revive cached blocks and pin host ones.
+        A running stream costs a few attribute reads and writes here, while its state is in
+        cache (its decode step usually needs no new block, its `num_computed` advances here
+        rather than in commit, and its PlannedStream object is the one of its last step,
+        updated: commit or roll back a plan before reserving the next); only new streams look
+        up prefixes, revive cached blocks and pin host ones.
         """
-        bs = self.block_size
-        streams = self.streams
         planned: list[PlannedStream] = []
+        try:
+            return self._reserve(steps, planned)
+        except BaseException:
+            for p in planned:  # running streams advanced before the step was refused
+                if not p.is_new:
+                    p.state.num_computed = p.start  # type: ignore[union-attr]
+            raise
+
+    def _reserve(self, steps: list[StreamStep], planned: list[PlannedStream]) -> StepPlan:
+        bs = self.block_size
+        width = self.tables.width
+        streams = self.streams
+        caching = self.enable_prefix_caching
         fresh: list[PlannedStream] = []  # the new streams among `planned`
+        takers: list[PlannedStream] = []  # streams that take blocks, in plan order
+        publish: list[PlannedStream] = []  # streams whose step fills a block
         # blocks revived from the free-but-cached state reduce what is free for new blocks
         revived: set[int] = set()
         need_new = 0
+        num_tokens = 0
         token_ids: dict[str, list[int]] = {}
         for st in steps:
             sid = st.stream_id
             if sid in token_ids:
                 raise ValueError(f"stream {sid!r} appears twice in one step")
+            toks = token_ids[sid] = st.token_ids
             target = st.target
-            token_ids[sid] = st.token_ids
-            if not 0 < target <= len(st.token_ids):
-                raise ValueError(f"target {target} outside 1..{len(st.token_ids)}")
             state = streams.get(sid)
-            if state is not None:
+            if state is not None:  # a running stream: the path every decode step takes
                 start = state.num_computed
-                if target <= start:
-                    raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
+                p = state.plan
+                if not start < target <= len(toks) + st.pending or p is None or p.is_new:
+                    p = self._running_plan(state, st)
+                p.start = start
+                p.target = target
+                num_tokens += target - start
                 n_new = -(-target // bs) - len(state.block_ids)
-                if n_new < 0:
-                    n_new = 0
-                need_new += n_new
-                planned.append(PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
-                                             False, n_new, _NO_PAIRS))
+                if n_new > 0:
+                    if n_new + len(state.block_ids) > width:
+                        raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
+                    need_new += n_new
+                    p.num_new_blocks = n_new
+                    p.new_blocks = _NONE
+                    takers.append(p)
+                elif p.num_new_blocks:  # its last step took blocks
+                    p.num_new_blocks = 0
+                    p.new_blocks = _NONE
+                state.num_computed = target
+                planned.append(p)
+                if caching and target // bs > len(state.block_hashes):
+                    publish.append(p)
                 continue
+            if not 0 < target <= len(toks):
+                raise ValueError(f"target {target} outside 1..{len(toks)}")
             if sid in self.held:
                 raise ValueError(f"stream {sid!r} is still being written back")
+            if st.pending:
+                raise ValueError(f"new stream {sid!r} cannot have tokens on the device")
+            if self.blocks_needed(target) > width:
+                raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
             hit = self.lookup_prefix(st.token_ids, target - 1, st.resume)
             cached = hit.device_blocks
             host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
@@ -251,8 +305,12 @@ class KVCacheManager:
             ps = PlannedStream(sid, start, target, [], [], cached, True, n_new)
             ps.host_in = [(h, -1) for h in host_ids]
             ps.host_tokens = start - len(cached) * bs
+            num_tokens += target - start
             planned.append(ps)
             fresh.append(ps)
+            takers.append(ps)
+            if caching and target // bs > len(cached):
+                publish.append(ps)
         free_after_revive = self.pool.num_free - len(revived)
         if need_new > free_after_revive:
             raise KVCacheFull(need_new + len(revived), self.pool.num_free)
@@ -262,21 +320,23 @@ class KVCacheManager:
         # of this step is about to share.
         for p in fresh:
             self.pool.touch(p.cached_blocks)
-            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.start)
+            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.target)
             state.num_cached_prompt = p.start
+            state.plan, p.state = p, state
             state.block_hashes = self._hashes_of(p.cached_blocks)
             streams[p.stream_id] = state
             self.prefix_queries += p.target
             self.prefix_hits += p.start
+        restores = [p for p in fresh if p.host_in]
         if self.host is not None:
-            for p in fresh:
-                if p.host_in:
-                    # pinned until commit/rollback: the copy below the plan reads them
-                    self.host.pin([h for h, _ in p.host_in])
+            for p in restores:
+                # pinned until commit/rollback: the copy below the plan reads them
+                self.host.pin([h for h, _ in p.host_in])
         # allocate in plan order (block ids, and the cached blocks the allocator drops, do
         # not depend on which streams are new)
         allocate = self.pool.allocate
-        for p in planned:
+        tables = self.tables
+        for p in takers:
             if p.is_new:
                 state = streams[p.stream_id]
                 last = state.block_ids[-1] if state.block_ids else None
@@ -285,42 +345,60 @@ class KVCacheManager:
                 p.new_blocks = new
                 p.block_ids = state.block_ids
                 p.host_in = [(h, d) for (h, _), d in zip(p.host_in, new, strict=False)]
-            elif p.num_new_blocks:
-                new = allocate(p.num_new_blocks, after=p.block_ids[-1] if p.block_ids else None)
-                p.block_ids.extend(new)
+                p.slot = state.slot = tables.add(state.block_ids)
+            else:
+                ids = p.block_ids
+                new = allocate(p.num_new_blocks, after=ids[-1] if ids else None)
+                tables.write(p.slot, len(ids), new)
+                ids.extend(new)
                 p.new_blocks = new
         demoted, self._demoted = self._demoted, []
-        return StepPlan(planned, token_ids, demoted)
+        return StepPlan(planned, token_ids, demoted, tables, restores, num_tokens, publish)
+
+    def _running_plan(self, state: StreamState, st: StreamStep) -> PlannedStream:
+        """Check a running stream's step; its plan object (made on its first running step)."""
+        sid, target, start = st.stream_id, st.target, state.num_computed
+        if not 0 < target <= len(st.token_ids) + st.pending:
+            raise ValueError(f"target {target} outside 1..{len(st.token_ids) + st.pending}")
+        if target <= start:
+            raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
+        p = state.plan
+        if p is None or p.is_new:
+            p = state.plan = PlannedStream(sid, start, target, state.block_ids, _NONE, _NONE,
+                                           False, 0, _NO_PAIRS, 0, state.slot, state)
+        return p
 
     def _unpin(self, plan: StepPlan) -> None:
         if self.host is None:
             return
-        for p in plan.streams:
+        for p in plan.restores:
             if p.host_in:
                 self.host.unpin([h for h, _ in p.host_in])
                 p.host_in = []
 
     def commit(self, plan: StepPlan) -> None:
-        """The step's KV is written: advance the streams and publish full blocks."""
+        """The step's KV is written: publish the blocks it filled to the prefix cache."""
         bs = self.block_size
         self._unpin(plan)
-        streams = self.streams
-        caching = self.enable_prefix_caching
+        for p in plan.publish:  # most decode steps fill no block: nothing to hash
+            state: StreamState = p.state  # type: ignore[assignment]
+            tokens = plan.token_ids[p.stream_id]
+            full = min(p.target, len(tokens)) // bs  # a token still on the device: hashed later
+            parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
+            for b in range(len(state.block_hashes), full):
+                parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
+                state.block_hashes.append(parent)
+                self.pool.register(state.block_ids[b], parent)
         window = self.window
+        if window is None:
+            return
         for p in plan.streams:
-            state = streams[p.stream_id]
-            target = state.num_computed = p.target
-            # most decode steps fill no block: nothing to hash
-            if caching and len(state.block_hashes) < target // bs:
-                tokens = plan.token_ids[p.stream_id]
-                parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
-                for b in range(len(state.block_hashes), target // bs):
-                    parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
-                    state.block_hashes.append(parent)
-                    self.pool.register(state.block_ids[b], parent)
-            # the stream's next query sees keys from target - window + 1 on
-            if window is not None and target - window + 1 >= (state.num_dropped + 1) * bs:
-                self._drop_unreachable(state, target - window + 1)
+            state = p.state  # type: ignore[assignment]
+            # the stream's next query sees keys from target - window + 1 on (GPU work that
+            # still reads a released block runs before any later step that reuses it)
+            first_key = p.target - window + 1
+            if first_key >= (state.num_dropped + 1) * bs and self.streams.get(p.stream_id) is state:
+                self._drop_unreachable(state, first_key)
 
     def _drop_unreachable(self, state: StreamState, first_key: int) -> None:
         """Release the blocks wholly before `first_key`. Full ones were published above, so
@@ -331,7 +409,8 @@ class KVCacheManager:
         state.num_dropped = n
 
     def rollback(self, plan: StepPlan) -> None:
-        """The step failed: return its reserved blocks; computed KV stays as it was."""
+        """The step failed: return its reserved blocks; streams go back to what they had
+        computed before it."""
         self._unpin(plan)
         for p in reversed(plan.streams):
             state = self.streams.get(p.stream_id)
@@ -343,20 +422,25 @@ class KVCacheManager:
             if p.is_new:
                 self.pool.release(reversed(p.cached_blocks))
                 del self.streams[p.stream_id]
+                self.tables.remove(state.slot)
                 self.prefix_queries -= p.target
                 self.prefix_hits -= p.start
+            else:
+                state.num_computed = p.start
 
     def free(self, stream_id: str) -> None:
         """Release a stream's blocks (tail first, so its prefix stays cached longest)."""
         state = self.streams.pop(stream_id, None)
         if state is not None:
             self.pool.release(reversed(state.live_blocks))
+            self.tables.remove(state.slot)
         self.release_held(stream_id)
 
     def hold(self, stream_id: str) -> StreamState:
         """Take a stream out of the batch but keep its blocks referenced (write-back in flight)."""
         state = self.streams.pop(stream_id)
         self.held[stream_id] = state.live_blocks
+        self.tables.remove(state.slot)  # it leaves the batch; the blocks stay referenced
         return state
 
     def release_held(self, stream_id: str) -> None:
@@ -389,9 +473,16 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks
+        free_slots = set(self.tables.free_slots())
+        slots = set()
         for sid, s in self.streams.items():
             if len(s.block_ids) * self.block_size < s.num_computed:
                 raise AssertionError(f"stream {sid}: {s.num_computed} tokens in {len(s.block_ids)} blocks")
+            if s.slot in free_slots or s.slot in slots or not 0 <= s.slot < self.tables.slots:
+                raise AssertionError(f"stream {sid}: slot {s.slot} is free or shared")
+            slots.add(s.slot)
+            if self.tables.array[s.slot, : len(s.block_ids)].tolist() != s.block_ids:
+                raise AssertionError(f"stream {sid}: its block-table row differs from its blocks")
             for b in s.live_blocks:
                 refs[b] += 1
         for blocks in self.held.values():
@@ -399,3 +490,5 @@ class KVCacheManager:
                 refs[b] += 1
         if refs != self.pool.ref_cnt:
             raise AssertionError("block reference counts do not match the block tables")
+        if len(slots) + len(free_slots) != self.tables.slots:
+            raise AssertionError("a block-table row is neither free nor owned by a stream")

@@ -38,7 +38,15 @@ class EngineConfig(BaseModel):
         128, ge=0, description="free KV kept per running stream when admitting new prompts"
     )
     enforce_eager: bool = Field(
-        False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs"
+        False, description="CUDA: run every step eagerly instead of replaying CUDA graphs"
+    )
+    cuda_graph_max_tokens: int = Field(
+        2048, ge=0, description="CUDA: steps with prompt tokens up to this many tokens replay "
+        "CUDA graphs too (by token and stream count); 0 = decode steps only",
+    )
+    async_scheduling: bool | None = Field(
+        None, description="plan and launch step N+1 while step N runs, its sampled ids staying "
+        "on the device; None = on for CUDA, off on the CPU (no device to overlap with)",
     )
     quantized_decode: bool = Field(
         True, description="CPU float32: small-batch linears read the GGUF's quantized blocks"
@@ -70,6 +78,11 @@ class EngineConfig(BaseModel):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.resolved_device().startswith("cuda")
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -17,6 +17,16 @@ VOCAB_MARGIN = 100
 
 
 # ---- workload and machine ------------------------------------------------------------------
+def add_async_arg(p: Any) -> None:
+    """--async-scheduling for benches that run the engine (EngineConfig.async_scheduling)."""
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="plan step N+1 while step N runs (auto: on for CUDA, off on the CPU)")
+
+
+def async_value(choice: str) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[choice]
+
+
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """`num` prompts of exactly `length` ids drawn uniformly, away from special tokens."""
     import torch

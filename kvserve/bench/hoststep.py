@@ -3,8 +3,9 @@
 B requests (random prompts, greedy, EOS ignored) are prefilled, then `LLMEngine.step` runs
 decode steps for all B streams at once. Each step's host time is its wall time minus the
 model's forward (attention metadata and kernels included, the part a GPU replays as a CUDA
-graph), with the step-input build (`build_step`) counted back in as host work: scheduling,
-KV reservation and commit, sampling, stop checks, detokenization and the outputs. A model
+graph), with the step-input build (`build_step`, timed where the forward calls it) counted
+back in as host work: scheduling, KV reservation and commit, sampling, stop checks,
+detokenization and the outputs. A model
 with a tiny forward (e.g. a random hidden-64 Llama) keeps the subtraction small. Both the
 wall time and the thread's CPU time are reported; on a busy machine the CPU time is the
 steadier figure (the step runs on one thread with --threads 1).
@@ -18,7 +19,13 @@ import sys
 import time
 from typing import Any
 
-from kvserve.bench.common import machine_info, random_prompts, write_json
+from kvserve.bench.common import (
+    add_async_arg,
+    async_value,
+    machine_info,
+    random_prompts,
+    write_json,
+)
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -28,12 +35,13 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1)
+    add_async_arg(p)
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_hoststep)
 
 
 def measure(model: str | None, batch: int, input_len: int, steps: int,
-            threads: int) -> dict[str, Any]:
+            threads: int, async_scheduling: bool | None = None) -> dict[str, Any]:
     """Host milliseconds per decode step at `batch` streams (wall and CPU, median and min)."""
     from kvserve.config import EngineConfig
     from kvserve.sampling import SamplingParams
@@ -46,22 +54,30 @@ def measure(model: str | None, batch: int, input_len: int, steps: int,
     total = input_len + max_tokens
     eng = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, num_threads=threads,
                                  kv_cache_tokens=batch * (total + 16), host_cache_gib=0,
-                                 max_num_batched_tokens=max(2048, input_len)))
+                                 max_num_batched_tokens=max(2048, input_len),
+                                 async_scheduling=async_scheduling))
     runner = eng.runner
-    spent = [0.0, 0.0]  # forward seconds (wall, thread CPU) in the current step
+    spent = [0.0, 0.0]  # forward seconds (wall, thread CPU) in the current step, less its build
     forward = runner._forward
+    build = runner_mod.build_step
 
-    def timed_forward(plan: Any) -> Any:
+    def timed_forward(plan: Any, *rest: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = forward(plan)
+        out = forward(plan, *rest)
         spent[0] += time.perf_counter() - t0
         spent[1] += time.thread_time() - c0
-        # build_step is pure: building once more, outside the subtracted time, leaves one
-        # build's time in the step as host work
-        runner_mod.build_step(plan, runner.block_size, runner.max_model_len)
+        return out
+
+    def timed_build(*args: Any) -> Any:
+        # the step-input build inside the forward is host work: counted back in
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = build(*args)
+        spent[0] -= time.perf_counter() - t0
+        spent[1] -= time.thread_time() - c0
         return out
 
     runner._forward = timed_forward  # type: ignore[method-assign]
+    runner_mod.build_step = timed_build  # type: ignore[assignment]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for ids in random_prompts(batch, input_len, eng.model_config.vocab_size, seed=0):
         eng.add_request(ids, params)
@@ -78,6 +94,7 @@ def measure(model: str | None, batch: int, input_len: int, steps: int,
         cpu.append(time.thread_time() - c0 - spent[1])
         if len(outs) != batch:
             raise RuntimeError(f"a decode step returned {len(outs)} outputs for {batch} streams")
+    runner_mod.build_step = build  # type: ignore[assignment]
     ms = 1e3
     return {"batch": batch, "steps": steps,
             "wall_ms_median": statistics.median(wall) * ms, "wall_ms_min": min(wall) * ms,
@@ -100,7 +117,8 @@ def cmd_hoststep(args: argparse.Namespace) -> int:
     rows = []
     print(f"{'B':>5} {'wall ms (median/min)':>21} {'CPU ms (median/min)':>20} {'CPU us/stream':>14}")
     for b in batches:
-        r = measure(args.model, b, args.input_len, args.steps, args.threads)
+        r = measure(args.model, b, args.input_len, args.steps, args.threads,
+                    async_value(args.async_scheduling))
         rows.append(r)
         print(f"{b:>5} {r['wall_ms_median']:>12.3f} /{r['wall_ms_min']:>7.3f} "
               f"{r['cpu_ms_median']:>11.3f} /{r['cpu_ms_min']:>7.3f} {r['cpu_us_per_stream']:>14.2f}")

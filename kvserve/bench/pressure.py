@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from kvserve.bench.common import write_json
+from kvserve.bench.common import add_async_arg, async_value, write_json
 
 COUNTERS = ("evictions", "restores", "tokens_restored_copy", "tokens_restored_device",
             "tokens_recomputed", "host_prefix_hit_tokens", "copy_bytes")
@@ -47,6 +47,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="float32 on a GPU makes outputs comparable across batch compositions")
     p.add_argument("--seed", type=int, default=0)
+    add_async_arg(p)
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_pressure)
@@ -61,7 +62,8 @@ def run_kvserve(args: argparse.Namespace, prompts: list[list[int]], kv_tokens: i
     llm = LLM(model=args.model, kv_cache_tokens=kv_tokens, block_size=args.block_size,
               host_cache_gib=host_gib, admission_lookahead_tokens=args.lookahead,
               preemption_policy=args.policy, max_num_seqs=max(64, len(prompts)),
-              num_threads=args.threads, dtype=args.dtype)
+              num_threads=args.threads, dtype=args.dtype,
+              async_scheduling=async_value(args.async_scheduling))
     eng = llm.engine
     n = args.output_len
     params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)

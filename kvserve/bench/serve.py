@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.common import write_json
+from kvserve.bench.common import add_async_arg, write_json
 from kvserve.bench.serve_clients import BenchClient, EngineClient, GrpcClient, HttpClient
 from kvserve.bench.serve_dataset import (
     BenchRequest,
@@ -115,6 +115,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="self-started service: each worker's GPU share, in [0, 1] (0.5: two "
                         "workers on one GPU); default on cuda: 1 while there is a GPU per "
                         "worker, else an even share; 0 on cpu")
+    add_async_arg(g)
     g.add_argument("--stream-interval-ms", type=float, default=None,
                    help="self-started service: least time between a stream's chunks "
                         "(0 = every engine step; default: the service's automatic pacing)")

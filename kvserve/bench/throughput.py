@@ -18,6 +18,8 @@ from typing import Any
 from kvserve.bench.common import (
     VOCAB_MARGIN,
     Timer,
+    add_async_arg,
+    async_value,
     available_cores,
     figures,
     identical,
@@ -44,6 +46,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="device KV pool in tokens (default: the whole workload's, so no preemption)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_async_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", default=None, metavar="FILE")
@@ -111,7 +114,7 @@ def run_kvserve(
     engine = LLMEngine(EngineConfig(
         model=args.model, num_threads=threads, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv_tokens,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=async_value(args.async_scheduling),
     ))
     load_s = time.perf_counter() - t0
     vocab = engine.model_config.vocab_size

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md ("GPU (H100)") and the CUDA tests, in one run.
 # Run from the repository root on a CUDA host where kvserve is installed (or from its checkout):
-#   GPU_SHARED=../shared/gpu bash scripts/gpu/run.sh [tests] [figures] [diag]
+#   GPU_SHARED=../shared/gpu bash scripts/gpu/run.sh [tests] [figures] [diag] [engine]
 # GPU_SHARED holds make_models.py (random-weight models with SmolLM2's tokenizer) and
 # static_decode_anchor.py (the plain-torch CUDA-graph yardstick). Logs go to $OUT (default
 # ./gpu-logs), one file per group.
 #
-# Serving (steps wheels, servetest, serve, serve2, workers): `kvserve bench serve` side by
+# Engine (step `engine`, under a device call's 10 minutes): where the time goes in the
+# pressure run and LLM.generate (scripts/gpu/profile_engine.py: torch.profiler and host
+# timers), host work per decode step (bench hoststep), and asynchronous scheduling on and
+# off (decode ms/step, LLM.generate, pressure). The default run is tests, figures, diag.
+#
+# Serving (steps wheels, servetest, serve, serve2, serve3, workers): `kvserve bench serve` side by
 # side with the engine alone on the same GPU, the `kvserve serve` GPU end-to-end test, and
 # two workers sharing the GPU against one. A GPU host without Ray gets it as wheels:
 #   here, once:  bash scripts/gpu/wheels.sh && cp -r ../shared/gpu .gpu   (both git-ignored)
@@ -14,6 +19,7 @@
 #   call 2 at once (same warm machine), carry [.whl/call2, .gpu]:
 #                GPU_SHARED=.gpu bash scripts/gpu/run.sh wheels servetest serve
 #   then, while it stays warm:  GPU_SHARED=.gpu bash scripts/gpu/run.sh serve2 workers
+#   and:  GPU_SHARED=.gpu bash scripts/gpu/run.sh serve3
 # `wheels` joins ray's two parts and installs every wheel with one `pip install --target
 # /tmp/site`; later steps and calls on that machine find /tmp/site and put it on PYTHONPATH.
 # Each of these steps stays under a device call's 10 minutes.
@@ -56,6 +62,10 @@ serve2)  # OpenAI HTTP streaming vs the engine at 64; TTFT overhead at concurren
   run serve2 ttft1 280 $KV bench serve --model $M/l1b --compare-engine --target grpc \
     --max-concurrency 1 $SERVE_LOAD --num-prompts 32 --save-result "$OUT/serve_ttft1.json"
   grep -E "^=== |^rc=|/ engine|starting the service" "$OUT/serve2.log" ;;
+serve3)  # TTFT at concurrency 1 with asynchronous scheduling off (serve2's ttft1 has it on)
+  run serve3 ttft1_sync 280 $KV bench serve --model $M/l1b --compare-engine --target grpc \
+    --max-concurrency 1 $SERVE_LOAD --num-prompts 32 --async-scheduling off --save-result "$OUT/serve_ttft1_sync.json"
+  grep -E "^=== |^rc=|/ engine|starting the service" "$OUT/serve3.log" ;;
 workers)  # two workers sharing the GPU (0.5 each, half the KV each) vs one with half the KV
   run workers workers2 560 $KV bench serve --model $M/l1b --compare-workers --workers 2 \
     --gpus-per-worker 0.5 --target grpc --max-concurrency 256 $SERVE_LOAD --rounds 2 \
@@ -68,8 +78,9 @@ moe)  # Qwen3-MoE, random weights (make_moe_models.py q3moe: 5.2B, 64 experts, t
   run moe kernels 300 python3 scripts/gpu/moe_kernels.py
   run moe decode 500 python3 scripts/gpu/moe_decode.py $M/q3moe
   grep -E "^=== |^rc=|passed|failed|^== |^ +[0-9]+ |^kvserve|^transformers|^B=" "$OUT/moe.log" ;;
-tests) run tests tests 300 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -p no:cacheprovider \
-  tests/workers/test_cuda_path.py tests/workers/test_cuda_graphs.py tests/workers/test_triton_attention.py tests/workers/test_triton_fused.py
+tests) run tests tests 400 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -m '' -p no:cacheprovider \
+  tests/workers/test_cuda_path.py tests/workers/test_cuda_graphs.py tests/workers/test_triton_attention.py tests/workers/test_triton_fused.py \
+  tests/workers/test_async_scheduling.py tests/kvcache/test_block_tables.py
   tail -4 "$OUT/tests.log" ;;
 figures)
   run figures anchor 120 python3 "$G/static_decode_anchor.py"
@@ -78,6 +89,7 @@ figures)
   run figures throughput 240 $KV bench throughput --model $M/l1b --num-seqs 256 --input-len 256 --output-len 128 --max-num-seqs 256 --baseline hf --no-progress
   run figures pressure 200 $KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --no-progress
   run figures pressure32 200 $KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --dtype float32 --no-progress
+  run figures hoststep 120 $KV bench hoststep --model $M/l1b --batch 64,256 --steps 30
   grep -E "^\|  |^rc=|graph .* ms/step|^kvserve|^hf_|roofline|GB/s|host_tier|unconstrained|recompute" "$OUT/figures.log" ;;
 diag)
   run diag attn 150 python3 scripts/gpu/attention_kernels.py
@@ -87,5 +99,13 @@ diag)
   run diag engine256 120 python3 scripts/gpu/profile_engine.py $M/l1b 256
   run diag engine64 120 python3 scripts/gpu/profile_engine.py $M/l1b 64
   grep -E "^=== |^B=|splits=|engine B=|ms/step|build_step|^\|  |^rc=" "$OUT/diag.log" ;;
+engine)  # where the time goes (profiles), and asynchronous scheduling on and off
+  P=scripts/gpu/profile_engine.py
+  for a in on off; do run engine decode256_async_$a 90 python3 $P $M/l1b 256 --async-scheduling $a --steps 50; done
+  run engine generate 120 python3 $P $M/l1b --workload generate --num-prompts 256 --input-len 256 --output-len 128
+  run engine pressure_host 120 python3 $P $M/l1b --workload pressure --num-prompts 64 --input-len 512 --output-len 128
+  run engine pressure_recompute 100 python3 $P $M/l1b --workload pressure --num-prompts 64 --input-len 512 --output-len 128 --host-gib 0
+  run engine throughput_sync 120 $KV bench throughput --model $M/l1b --num-seqs 256 --input-len 256 --output-len 128 --max-num-seqs 256 --async-scheduling off --no-progress
+  grep -E "^=== |^rc=|^device|^engine B=|^(generate|pressure):|^wall |^steps:|%$|^  Memcpy|^host sync|^kvserve|roofline" "$OUT/engine.log" ;;
 esac
 done

@@ -1,5 +1,5 @@
-"""Decode CUDA graphs: buckets, padding and static buffers, checked on the CPU by running the
-padded "replay" eagerly (the Triton kernel under its interpreter)."""
+"""CUDA graphs for decode and mixed steps: buckets, padding and static buffers, checked on the
+CPU by running the padded "replay" eagerly (the Triton kernel under its interpreter)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tiny_models import tiny_model_path  # noqa: E402
 
 from kvserve import LLM  # noqa: E402
 from kvserve.kvcache.manager import StreamStep  # noqa: E402
-from kvserve.workers.model.cuda_graphs import DecodeGraphs, buckets_for  # noqa: E402
+from kvserve.workers.model.cuda_graphs import GraphKey, StepGraphs, buckets_for, mixed_keys  # noqa: E402
 from kvserve.workers.model.step_inputs import build_step  # noqa: E402
 
 
@@ -27,6 +27,28 @@ def test_buckets() -> None:
     assert buckets_for(100) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert buckets_for(1) == [1]
     assert buckets_for(10_000)[-1] == 256
+
+
+def test_mixed_buckets() -> None:
+    keys = mixed_keys(2048, 256)
+    assert {(k.tokens, k.streams) for k in keys if k.tokens == 32} == {(32, 4), (32, 16), (32, 64)}
+    assert max(k.tokens for k in keys) == 2048 and max(k.streams for k in keys) == 256
+    assert {k.streams for k in mixed_keys(512, 8)} == {4, 8}
+    assert max(k.tokens for k in mixed_keys(100, 8)) == 128
+    # any split of T tokens over S streams into 16-token tiles fits the bucket's tiles
+    for t, s in [(32, 4), (64, 16), (512, 64), (2048, 256)]:
+        key = GraphKey(t, s, 16)
+        for lens in ([t - s + 1] + [1] * (s - 1), [t // s] * s, [17] * (t // 17)):
+            if len(lens) <= s and sum(lens) <= t:
+                assert sum(1 + (q - 1) // 16 for q in lens) <= key.tiles
+
+
+def _graphs(runner, max_tokens: int = 0) -> StepGraphs:
+    scratch = runner.kv.num_blocks - 1
+    t = runner.kv.tables
+    return StepGraphs(runner.model, runner.cache, runner.attn, max_batch=8,
+                      tables=torch.from_numpy(t.array), scratch_block=scratch,
+                      max_tokens=max_tokens, extra=2 * t.slots * t.width + 16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this with real graphs")
@@ -43,24 +65,62 @@ def test_padded_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
     eager = runner._forward(plan)  # the unpadded batch of 3
     scratch = runner.kv.num_blocks - 1
     assert all(scratch not in p.block_ids for p in plan.streams)
-    graphs = DecodeGraphs(runner.model, runner.cache, runner.attn, max_batch=8, max_blocks=16,
-                          scratch_block=scratch)
+    graphs = _graphs(runner)
     step = build_step(plan, 4, runner.max_model_len)
-    assert graphs.fits(step)
+    key = graphs.key_for(step)
+    assert key == GraphKey(4, 4, 1)
     before = runner.cache.kv.clone()
-    padded = graphs.run(step)  # bucket 4: one padding row
+    graphs.stage(key, step, [])
+    padded = graphs.run(step, key)  # bucket 4: one padding row
     assert padded.shape == eager.shape
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
-    v = graphs.views(4)
+    v = graphs.views(key)
     assert v["slots"][3].item() == scratch * 4
     assert v["tiles"][2].tolist() == [1, 1, 1, 0]
-    assert v["tiles"][0].tolist() == v["tiles"][1].tolist() == [0, 1, 2, 3]
+    assert v["tiles"][1].tolist() == [0, 1, 2, 3]
+    # tiles name the streams' rows of the persistent block tables
+    assert v["tiles"][0].tolist()[:3] == [p.slot for p in plan.streams]
     # the padding row wrote only into the scratch block; the streams' KV is as eager left it
     changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
     assert changed.tolist() in ([], [scratch])
     runner.kv.commit(plan)
-    # a prefill step never takes the graph path
+    # a prefill step never takes a decode graph, and without mixed buckets runs eagerly
     toks["d"] = [7] * 6
     plan = runner.kv.reserve([StreamStep("d", toks["d"], 6)])
-    assert not graphs.fits(build_step(plan, 4, runner.max_model_len))
+    assert graphs.key_for(build_step(plan, 4, runner.max_model_len)) is None
     runner.kv.rollback(plan)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this with real graphs")
+def test_padded_mixed_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
+    """A step with prompt chunks (a new stream, a chunk after cached context) beside decode
+    tokens, padded to its (tokens, streams) bucket, gives the eager step's logits."""
+    llm = LLM(tiny_model_path(tmp_path_factory), attention_backend="triton", block_size=4,
+              kv_cache_tokens=256)
+    runner = llm.engine.runner
+    toks = {s: [200 + 7 * i + j for j in range(n)] for i, (s, n) in enumerate([("a", 6), ("b", 3)])}
+    runner.execute([StreamStep(s, t, len(t)) for s, t in toks.items()])
+    toks["a"].append(11)  # decode
+    toks["b"] += [12, 13, 14, 15, 16]  # a chunk of 5 after 3 cached tokens
+    toks["c"] = [300 + j for j in range(21)]  # a new prompt: two 16-token tiles
+    steps = [StreamStep(s, t, len(t)) for s, t in toks.items()]
+    plan = runner.kv.reserve(steps)
+    eager = runner._forward(plan)
+    graphs = _graphs(runner, max_tokens=64)
+    step = build_step(plan, 4, runner.max_model_len)
+    key = graphs.key_for(step)
+    assert key == GraphKey(32, 4, 16)  # 27 tokens over 3 streams
+    before = runner.cache.kv.clone()
+    graphs.stage(key, step, [])
+    padded = graphs.run(step, key)
+    assert padded.shape == eager.shape == (3, eager.shape[1])
+    torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+    v = graphs.views(key)
+    assert v["tiles"].shape == (4, min(32, 4 + 2))
+    assert v["tiles"][2].tolist() == [1, 5, 16, 5, 0, 0]  # two empty padding tiles
+    assert v["slots"][27:].tolist() == [(runner.kv.num_blocks - 1) * 4] * 5
+    assert v["last"].tolist() == [0, 5, 26, 0]
+    scratch = runner.kv.num_blocks - 1
+    changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
+    assert changed.tolist() in ([], [scratch])
+    runner.kv.commit(plan)

@@ -1,6 +1,7 @@
 """The CUDA path end to end (needs a GPU): greedy float32 tokens equal transformers' for 16
 mixed-length prompts batched together, bfloat16 logits within tolerance of transformers'
-bfloat16 logits, and CUDA-graph decode equal to eager decode.
+bfloat16 logits, CUDA graphs (decode and mixed steps) equal to eager steps, and asynchronous
+scheduling equal to synchronous.
 
 The model is the default GGUF, or the HF directory in `KVSERVE_CUDA_TEST_MODEL` (a GPU host
 without the default model's package uses a random-weight model made with transformers)."""
@@ -78,12 +79,44 @@ def test_bfloat16_logits_within_tolerance(model_path) -> None:
         torch.testing.assert_close(logits[i], ref, atol=0.25, rtol=0.02)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_decode_equals_eager(model_path, dtype) -> None:
+# bfloat16 results depend on GEMM shapes, and a mixed graph pads the step's token count: the
+# bfloat16 case compares decode graphs only; float32 covers mixed graphs too
+@pytest.mark.parametrize("dtype,mixed", [("float32", 2048), ("bfloat16", 0)])
+def test_cuda_graph_decode_equals_eager(model_path, dtype, mixed) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []
     for eager in (True, False):
-        llm = LLM(model_path, device="cuda", dtype=dtype, kv_cache_tokens=8192, enforce_eager=eager)
-        assert (llm.engine.runner.graphs is None) == eager
+        llm = LLM(model_path, device="cuda", dtype=dtype, kv_cache_tokens=8192, enforce_eager=eager,
+                  cuda_graph_max_tokens=mixed, async_scheduling=False)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        kinds: list[int] = []
+        if graphs is not None:
+            run = graphs.run
+
+            def counted(step, key, run=run, kinds=kinds):
+                kinds.append(key.block_q)
+                return run(step, key)
+
+            graphs.run = counted
         outs.append([o.token_ids for o in llm.generate(_prompts(), params)])
+        if not eager:
+            assert 1 in kinds  # decode steps replayed graphs
+            assert (16 in kinds) == bool(mixed)  # and so did the prefill steps, with mixed graphs
     assert outs[0] == outs[1]
+
+
+def test_async_scheduling_equals_sync(model_path) -> None:
+    """float32 with decode and mixed graphs: each step launched before the last one's ids
+    reach the host (those stay on the device as its inputs) gives the synchronous engine's
+    tokens, with streams finishing at different steps."""
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(16)]
+    outs = []
+    for overlap in (False, True):
+        llm = LLM(model_path, device="cuda", dtype="float32", kv_cache_tokens=8192,
+                  async_scheduling=overlap)
+        assert llm.engine.async_scheduling == overlap
+        outs.append([o.token_ids for o in llm.generate(_prompts(), params)])
+        assert llm.engine.kv.pool.num_used == 0
+    assert outs[0] == outs[1]
+    assert [len(o) for o in outs[1]] == [6 + i for i in range(16)]

@@ -307,6 +307,8 @@ class AsyncLLMEngine:
     def _export(self, rid: str) -> bytes:
         if rid in self._unclaimed:  # its consumer is still on the way from the last move
             raise InvalidRequestError(f"request {rid!r} has not been resumed here yet")
+        # asynchronous scheduling: the tokens in flight reach their consumers before the move
+        self._deliver(self.engine.flush())
         data = self.engine.export_stream(rid)
         st = self._streams.pop(rid, None)
         if st is not None:

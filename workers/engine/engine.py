@@ -1,28 +1,40 @@
-"""LLMEngine: requests in, one scheduled step at a time, incremental outputs out."""
+"""LLMEngine: requests in, one scheduled step at a time, incremental outputs out.
+
+With asynchronous scheduling (`EngineConfig.async_scheduling`) a step is planned and
+launched before the previous step's sampled ids reach the host: those stay on the device as
+the new step's inputs, and the previous step's tokens are appended, checked for stops and
+detokenized while the new step runs, so `step()` returns the outputs one step behind. A
+stream that finished with them is not sampled in the new step and its KV is freed after it.
+"""
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import logging
+import operator
 import time
 
+import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.kvcache.manager import StepPlan
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine import constraints
-from kvserve.workers.engine.sampler import Sampler, make_generator
+from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
-from kvserve.workers.model.runner import DTYPES, ModelRunner, Progress
+from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
 from kvserve.workers.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)
+_GUIDED = operator.attrgetter("guided")  # a stream whose logits are biased or masked
 
 
 class LLMEngine:
@@ -45,6 +57,10 @@ class LLMEngine:
             config.max_evictions_per_request,
         )
         self.sampler = Sampler(config.seed)
+        self.async_scheduling = config.resolved_async_scheduling()
+        # the launched step whose ids are still on the device: its sampled streams and ids
+        self._inflight: tuple[list[Sequence], SampledBatch] | None = None
+        self._carry: list[RequestOutput] = []  # outputs of a step resolved between steps
         # structured outputs: the grammar engine and its compiled-grammar cache, made on the
         # first constrained request
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -151,67 +167,172 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._carry)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced tokens or finished.
+        """Run one step; return an output for every request that produced tokens or finished
+        (under asynchronous scheduling: in the step before).
 
         `finished_only`: outputs for finished requests only (callers that never stream skip
         building one per running request per step).
         """
+        if self.async_scheduling:
+            return self._step_async(finished_only)
         plan, seqs = self.scheduler.schedule()
         if plan is None:
             return []
         logits = self.runner.run(plan)
-        # per-stream host work below runs for every stream every step: keep it to a few
-        # attribute reads and one output each
-        rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        computed = 0
-        guided = False
-        for i, (s, p) in enumerate(zip(seqs, plan.streams, strict=True)):
-            computed += p.target - p.start
-            if p.is_new:
-                self._account_admission(s, p.start, p.host_tokens)
-            if p.target == len(s.prompt_ids) + len(s.output_ids):
-                rows.append(i)
-                sample_seqs.append(s)
-                guided = guided or s.guided
-        self.prompt_tokens_computed += computed
-        outputs: list[RequestOutput] = []
+        rows, sample_seqs = self._sampling_rows(plan, seqs)
         if not rows:
-            return outputs
-        sel = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
-        if guided:  # logit_bias and grammar masks, on the constrained rows only
-            constraints.apply(sel, sample_seqs, self.grammars)
-        res = self.sampler(
-            sel,
-            [s.params for s in sample_seqs],
-            [s.prompt_ids for s in sample_seqs],
-            [s.output_ids for s in sample_seqs],
-            [s.generator for s in sample_seqs],
-            eos_token_ids=self.tokenizer.eos_token_ids,
-        )
-        lps, tops = res.logprobs, res.top_logprobs
-        finished: list[Sequence] = []
-        done = Status.FINISHED
-        if guided:
-            constraints.accept(sample_seqs, res.token_ids)
-        for j, (s, tok) in enumerate(zip(sample_seqs, res.token_ids, strict=True)):
-            s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
-            if s.status is done:
-                finished.append(s)
-                self.seqs.pop(s.request_id, None)
-                outputs.append(s.to_output(1))
-            elif finished_only:
-                s.skip_delta()  # the final output's delta stays what streaming would show
-            else:
-                outputs.append(s.to_output(1))
-        self.generated_tokens += len(sample_seqs)
+            return []
+        outputs, finished = self._append(sample_seqs, self._sample(logits, rows, sample_seqs).result(),
+                                         finished_only)
         if finished:
             self.scheduler.finish(finished)
         return outputs
+
+    def _step_async(self, finished_only: bool) -> list[RequestOutput]:
+        """Plan and launch step N+1, then append step N's tokens (the wait is for step N's
+        ids only), then sample step N+1 with every stream's tokens up to date (penalties and
+        min_tokens see them) and commit it."""
+        outputs, self._carry = self._carry, []
+        plan, seqs = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        logits = None
+        if plan is not None:
+            dev = None
+            if prev is not None:
+                idx = [i for i, s in enumerate(seqs) if s.inflight_row >= 0]
+                if idx:
+                    dev = DeviceTokens(np.array(idx), np.array([seqs[i].inflight_row for i in idx]),
+                                       prev[1].tokens)
+            try:
+                logits = self.runner.launch(plan, dev)
+            except BaseException:
+                self._inflight = prev  # its tokens are still to be appended
+                raise
+        finished: list[Sequence] = []
+        if prev is not None:
+            outs, finished = self._resolve(prev, finished_only)
+            outputs += outs
+        if plan is not None:
+            assert logits is not None
+            rows, sample_seqs = self._sampling_rows(plan, seqs, bool(finished))
+            if rows:
+                sampled = self._sample(logits, rows, sample_seqs)
+                for j, s in enumerate(sample_seqs):
+                    s.inflight_row = j
+                self._inflight = (sample_seqs, sampled)
+            self.kv.commit(plan)
+        if finished:
+            self.scheduler.finish(finished)  # after the commit: their KV was in this step
+        return outputs
+
+    def _resolve(self, batch: tuple[list[Sequence], SampledBatch],
+                 finished_only: bool) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Append a launched step's tokens (waiting for its ids); streams aborted since drop
+        theirs."""
+        seqs, sampled = batch
+        res = sampled.result()
+        live = [s.status is not Status.FINISHED for s in seqs]
+        for s in seqs:
+            s.inflight_row = -1
+        if all(live):
+            return self._append(seqs, res, finished_only)
+        keep = [j for j, ok in enumerate(live) if ok]
+        lps, tops = res.logprobs, res.top_logprobs
+        res.token_ids = [res.token_ids[j] for j in keep]
+        res.logprobs = None if lps is None else [lps[j] for j in keep]
+        res.top_logprobs = None if tops is None else [tops[j] for j in keep]
+        return self._append([seqs[j] for j in keep], res, finished_only)
+
+    def flush(self) -> list[RequestOutput]:
+        """Append the tokens of a launched step now and return their outputs: every stream's
+        state is then whole, as a snapshot needs it (asynchronous scheduling; else [])."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return []
+        outs, finished = self._resolve(prev, False)
+        if finished:
+            self.scheduler.finish(finished)
+        return outs
+
+    def _sampling_rows(self, plan: StepPlan, seqs: list[Sequence],
+                       finished: bool = False) -> tuple[list[int], list[Sequence]]:
+        """The logits rows to sample: streams whose step reached their last known token (the
+        scheduler marked them), less any that finished meanwhile; admissions are accounted."""
+        sched = self.scheduler
+        first = sched.first_new
+        for s, p in zip(seqs[first:], plan.streams[first:], strict=True):
+            self._account_admission(s, p.start, p.host_tokens)
+        self.prompt_tokens_computed += plan.num_tokens
+        rows = sched.sampled
+        if rows is None:
+            rows, sample_seqs = list(range(len(seqs))), seqs
+        else:
+            sample_seqs = [seqs[i] for i in rows]
+        if finished:  # asynchronous: some streams finished with the last step's tokens
+            keep = [j for j, s in enumerate(sample_seqs) if s.finish_reason is None]
+            if len(keep) < len(rows):
+                rows = [rows[j] for j in keep]
+                sample_seqs = [sample_seqs[j] for j in keep]
+        return rows, sample_seqs
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampledBatch:
+        sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        # logit_bias and grammar masks, on the constrained rows only. A grammar has accepted
+        # every token before its mask is built: under asynchronous scheduling the step before
+        # was appended (`_resolve`) before this step is sampled.
+        if any(map(_GUIDED, seqs)):
+            constraints.apply(sel, seqs, self.grammars)
+        # the sampler reads prompts, outputs and generators only for the rows that need them
+        return self.sampler.sample(
+            sel,
+            [s.params for s in seqs],
+            _Column(seqs, "prompt_ids"),
+            _Column(seqs, "output_ids"),
+            _Column(seqs, "generator"),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+
+    def _append(self, seqs: list[Sequence], res: SamplerOutput,
+                finished_only: bool) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Add each stream's sampled token (stop checks, detokenization) and build outputs."""
+        lps, tops = res.logprobs, res.top_logprobs
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        if any(map(_GUIDED, seqs)):
+            constraints.accept(seqs, res.token_ids)
+        # once per stream per step: no enumerate, no per-item conditionals when no logprobs
+        if lps is None and tops is None and not finished_only:
+            for s, tok in zip(seqs, res.token_ids, strict=True):
+                o = s.emit(tok)
+                outputs.append(o)
+                if o.finish_reason is not None:
+                    finished.append(s)
+        elif lps is None and tops is None:
+            for s, tok in zip(seqs, res.token_ids, strict=True):
+                s.append(tok, None, None)
+                if s.finish_reason is not None:
+                    finished.append(s)
+                    outputs.append(s.to_output(1))
+                else:
+                    s.skip_delta()  # the final output's delta stays what streaming would show
+        else:
+            for j, (s, tok) in enumerate(zip(seqs, res.token_ids, strict=True)):
+                s.append(tok, None if lps is None else lps[j], None if tops is None else tops[j])
+                if s.finish_reason is not None:
+                    finished.append(s)
+                    outputs.append(s.to_output(1))
+                elif finished_only:
+                    s.skip_delta()
+                else:
+                    outputs.append(s.to_output(1))
+        for s in finished:
+            self.seqs.pop(s.request_id, None)
+        self.generated_tokens += len(seqs)
+        return outputs, finished
 
     def _account_admission(self, s: Sequence, start: int, host_tokens: int) -> None:
         parked = s.parked_kv
@@ -230,6 +351,8 @@ class LLMEngine:
         this engine (its blocks here are freed)."""
         from kvserve.workers.engine.snapshot import export_stream
 
+        self._carry += self.flush()  # its last token belongs in the snapshot; its output
+        # comes with the next step()
         return export_stream(self, request_id)
 
     def import_stream(self, data: bytes, request_id: str | None = None) -> str:
@@ -295,6 +418,24 @@ class LLMEngine:
         host = self.kv.host
         return {"device": _snapshot_keys(self.kv.pool.cached),
                 "host": _snapshot_keys(host.table.cached) if host is not None else []}
+
+
+class _Column(collections.abc.Sequence):
+    """One attribute of every sequence, read when indexed (not gathered up front)."""
+
+    def __init__(self, seqs: list[Sequence], name: str) -> None:
+        self.seqs, self.get = seqs, operator.attrgetter(name)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self.get(s) for s in self.seqs[i]]
+        return self.get(self.seqs[i])
+
+    def __iter__(self):
+        return map(self.get, self.seqs)
 
 
 def _snapshot_keys(table: dict[int, int]) -> list[int]:

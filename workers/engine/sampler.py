@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.sampling import SamplingParams
@@ -37,6 +38,47 @@ class SamplerOutput:
     # per row, top-n (id, logprob) best first; an empty list for rows that did not ask;
     # None if no row asked for n >= 1
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class SampledBatch:
+    """A step's sampled ids, still on the logits' device (`tokens`, the next step's inputs
+    under asynchronous scheduling), with their copy to the host started: `result()` waits
+    for that copy only, never for work queued after it."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None = None,
+                 wants: list[int | None] | None = None) -> None:
+        self.tokens = tokens
+        src = tokens if packed is None else packed
+        self._event = None
+        if src.is_cuda:  # one non-blocking copy into pinned memory, waited for in result()
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = src
+        self._packed = packed is not None
+        self._wants = wants or []
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host
+        if not self._packed:
+            return SamplerOutput(host.tolist(), None, None)
+        B = self.tokens.shape[0]
+        n_max = (host.shape[0] - 2 * B) // (2 * B) if B else 0
+        token_list = host[:B].long().tolist()
+        chosen_list = host[B : 2 * B].tolist()
+        top: list[list[tuple[int, float]]] | None = None
+        if n_max > 0:
+            vals_l = host[2 * B : 2 * B + B * n_max].view(B, n_max).tolist()
+            ids_l = host[2 * B + B * n_max :].view(B, n_max).long().tolist()
+            top = [
+                list(zip(ids_l[i][:n], vals_l[i][:n], strict=True)) if n else []
+                for i, n in enumerate(self._wants)
+            ]
+        return SamplerOutput(token_list, chosen_list, top)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -74,7 +116,19 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         eos_token_ids: Sequence[int] | None = None,
     ) -> SamplerOutput:
-        """Pick one token per row of `logits`.
+        """Pick one token per row of `logits` (see `sample`); waits for the ids."""
+        return self.sample(logits, params, prompt_ids, output_ids, generators, eos_token_ids).result()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> SampledBatch:
+        """Pick one token per row of `logits`; the ids stay on its device until read.
 
         `generators[i]` is row i's own generator (see make_generator), made once per request
         and passed again every step; rows with None draw from this sampler's shared one.
@@ -92,8 +146,10 @@ class Sampler:
         if _plain_greedy(params):
             # the common serving case: one argmax and one device-to-host copy for the batch
             bans = _ban_lists(params, output_ids, eos_token_ids or (), V)
+            if device.type == "cpu" and logits.dtype == torch.float32:
+                return SampledBatch(_greedy_cpu(logits, bans))
             if bans is None:
-                return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+                return SampledBatch(logits.argmax(dim=-1))
             eos_rows, eos_cols, rows, _ = bans
             if len(eos_rows) == B and not rows:  # e.g. every row ignores EOS: one masked copy
                 x = logits.index_fill(1, torch.tensor(eos_cols, device=device), -float("inf"))
@@ -101,7 +157,7 @@ class Sampler:
                 x = torch.empty((B, V), dtype=torch.float32, device=device)
                 x.copy_(logits)
                 _set_bans(x, bans)
-            return SamplerOutput(x.argmax(dim=-1).tolist(), None, None)
+            return SampledBatch(x.argmax(dim=-1))
         # A contiguous float32 copy: penalties write in place through a flat view and must not
         # touch the caller's tensor, and half-precision softmax/cumsum is too coarse for top-p.
         x = torch.empty((B, V), dtype=torch.float32, device=device)
@@ -116,7 +172,7 @@ class Sampler:
         tokens = _choose(x, params, generators, self.shared_generator(device))
 
         if logp is None:
-            return SamplerOutput(tokens.tolist(), None, None)
+            return SampledBatch(tokens)
         # everything the host needs comes back in one device-to-host copy (float64 holds
         # token ids exactly)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -126,28 +182,56 @@ class Sampler:
             # One top-k for the widest request; each row keeps its own prefix.
             vals, ids = logp.topk(n_max, dim=-1)
             parts += [vals.double().flatten(), ids.double().flatten()]
-        host = torch.cat(parts).cpu()
-        token_list = host[:B].long().tolist()
-        chosen_list = host[B : 2 * B].tolist()
-        top: list[list[tuple[int, float]]] | None = None
-        if n_max > 0:
-            vals_l = host[2 * B : 2 * B + B * n_max].view(B, n_max).tolist()
-            ids_l = host[2 * B + B * n_max :].view(B, n_max).long().tolist()
-            top = [
-                list(zip(ids_l[i][: p.logprobs], vals_l[i][: p.logprobs], strict=True))
-                if p.logprobs
-                else []
-                for i, p in enumerate(params)
-            ]
-        return SamplerOutput(token_list, chosen_list, top)
+        return SampledBatch(tokens, torch.cat(parts), [min(p.logprobs or 0, n_max) for p in params])
 
 
 _Bans = tuple[list[int], list[int], list[int], list[int]]
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row argmax (first maximum, as torch's); float32 on the CPU through numpy, several
+    times faster there than torch's reduction."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.contiguous().numpy().argmax(-1))
+    return x.argmax(dim=-1)
+
+
+def _greedy_cpu(logits: torch.Tensor, bans: _Bans | None) -> torch.Tensor:
+    """Greedy ids on the CPU without copying the logits: the argmax first, then only rows
+    whose best token is banned are redone with their bans masked."""
+    x = logits.contiguous().numpy()
+    best = x.argmax(-1)
+    if bans is None:
+        return torch.from_numpy(best)
+    eos_rows, eos_cols, rows, cols = bans
+    ec = np.asarray(eos_cols, np.int64)
+    r1, c1 = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
+    hit: set[int] = set()
+    if len(eos_rows) == len(best):  # every row bans EOS (e.g. ignore_eos)
+        hit.update(np.flatnonzero((best[:, None] == ec).any(1)).tolist())
+    elif eos_rows:
+        er = np.asarray(eos_rows, np.int64)
+        hit.update(er[(best[er, None] == ec).any(1)].tolist())
+    if r1.size:
+        hit.update(r1[best[r1] == c1].tolist())
+    if hit:
+        eos_set = set(eos_rows)
+        for i in hit:
+            row = x[i].copy()
+            if i in eos_set:
+                row[ec] = -np.inf
+            row[c1[r1 == i]] = -np.inf
+            best[i] = row.argmax()
+    return torch.from_numpy(best)
+
+
 def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Every row is greedy with no penalties and no logprobs (bans are allowed)."""
+    last = None
     for p in params:
+        if p is last:  # requests of one generate() call share their params
+            continue
+        last = p
         if (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
                 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             return False
@@ -165,6 +249,13 @@ def _ban_lists(
     eos_rows: list[int] = []
     rows: list[int] = []
     cols: list[int] = []
+    uniq = dict(zip(map(id, params), params, strict=True)).values() if len(params) > 8 else params
+    if not any(p.min_tokens for p in uniq):  # the common case: no per-row length test
+        if all(p.ignore_eos for p in uniq):
+            eos_rows = list(range(len(params)))
+        elif any(p.ignore_eos for p in uniq):
+            eos_rows = [i for i, p in enumerate(params) if p.ignore_eos]
+        params = ()
     for i, p in enumerate(params):
         if len(output_ids[i]) < p.min_tokens:
             eos_rows.append(i)
@@ -262,7 +353,7 @@ def _choose(
     shared: torch.Generator,
 ) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, a filtered random draw for the others."""
-    tokens = x.argmax(dim=-1)
+    tokens = _argmax(x)
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rand_rows:
         return tokens
@@ -295,7 +386,7 @@ def _choose(
     # which only makes that token lose; the clamp keeps q > 0 should U round to 1, since
     # 0/0 = NaN would win argmax.
     q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)
-    tokens[idx] = (probs / q).argmax(dim=-1)
+    tokens[idx] = _argmax(probs / q)
     return tokens
 
 

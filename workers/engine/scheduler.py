@@ -16,6 +16,12 @@ copy has completed. Without one, the blocks are freed at once (they stay in the
 prefix cache) and the lost part is recomputed. Parked streams come back before
 any new request, FIFO by park time, as soon as they fit with headroom: device
 prefix hits first, then host hits by copy, then recompute for the rest.
+
+Under asynchronous scheduling a running stream may have one sampled token still on the
+device (`Sequence.inflight_row`): it is planned one token further, with that token as its
+input. A stream that will certainly finish with that token (its length limit) is not
+planned again, one with `requires_sync` waits for the token, and a parked stream is not
+admitted until its last token has arrived.
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ class Scheduler:
         self.max_evictions = max_evictions_per_request
         self.num_preemptions = 0
         self.evictions_over_cap = 0
+        # about the last schedule(): the rows whose step reaches their last known token and
+        # so sample (None: all of them), and where its admitted streams start in its list
+        self.sampled: list[int] | None = None
+        self.first_new = 0
+        self._partial: list[int] = []  # rows of the plan being picked that do not sample
 
     def add(self, seq: Sequence) -> None:
         """Queue behind every request of the same or higher priority (lower value first)."""
@@ -87,9 +98,15 @@ class Scheduler:
         self.kv.free(seq.request_id)
 
     def finish(self, seqs: list[Sequence]) -> None:
-        """Drop streams that finished while running, in one pass over the running list."""
+        """Drop finished streams, in one pass over the running list (under asynchronous
+        scheduling a stream may finish after it was parked: it leaves that queue too)."""
         gone = set(seqs)
+        n = len(self.running)
         self.running[:] = [s for s in self.running if s not in gone]
+        if n - len(self.running) != len(seqs):
+            for q in (self.parked, self.waiting):
+                for s in [s for s in q if s in gone]:
+                    q.remove(s)
         for seq in seqs:
             self.release_parked(seq)
             self.kv.free(seq.request_id)
@@ -154,10 +171,13 @@ class Scheduler:
                 if not self._preempt():
                     raise
                 continue
-            for s, p in zip(seqs, plan.streams, strict=True):
-                if p.is_new and s.num_evictions == 0:
+            self.first_new = first = len(seqs) - len(admitted)
+            for s, p in zip(seqs[first:], plan.streams[first:], strict=True):
+                if s.num_evictions == 0:
                     s.num_cached_prompt = min(p.start, len(s.prompt_ids))
                     s.scheduled_time = s.scheduled_time or time.monotonic()
+            partial = set(self._partial)
+            self.sampled = [i for i in range(len(seqs)) if i not in partial] if partial else None
             return plan, seqs
 
     def _pick(self, max_admit: int) -> tuple[list[StreamStep], list[Sequence], list[Sequence]]:
@@ -165,6 +185,7 @@ class Scheduler:
         budget = self.max_tokens
         steps: list[StreamStep] = []
         seqs: list[Sequence] = []
+        partial = self._partial = []
         free = kv.num_free_blocks
         headroom = 0
         # the running streams' loop runs every step for every stream: plain arithmetic on
@@ -173,27 +194,39 @@ class Scheduler:
         lookahead = self.lookahead_blocks
         states = kv.streams
         for s in self.running:
-            ids = s.all_ids
-            state = states.get(s.request_id)
-            if state is None:
-                done = have = 0
-            else:
-                done = state.num_computed
-                have = len(state.block_ids)
-            grow = -(-s.max_len // bs) - have
-            if grow > 0:
-                headroom += grow if grow < lookahead else lookahead
             if budget <= 0:
-                continue
-            n = len(ids) - done
+                break
+            state = states.get(s.request_id)
+            done = 0 if state is None else state.num_computed
+            ids = s.all_ids
+            if s.inflight_row >= 0:
+                if s.requires_sync or len(ids) + 1 >= s.max_len:
+                    continue  # waits for its token, or finishes with it
+                pending = 1
+            else:
+                pending = 0
+            n = len(ids) + pending - done
             if n > budget:
                 n = budget
-            steps.append(StreamStep(s.request_id, ids, done + n))
+                partial.append(len(seqs))  # a chunk short of its last token: nothing to sample
+            st = s.kv_step  # the stream's request object, updated rather than rebuilt
+            st.target = done + n
+            st.pending = pending
+            steps.append(st)
             seqs.append(s)
             budget -= n
-            grow = -(-(done + n) // bs) - have
-            if grow > 0:
-                free -= grow
+        # headroom and free blocks matter only when something may be admitted
+        if (self.parked or self.waiting) and len(self.running) < self.max_num_seqs:
+            for s in self.running:
+                state = states.get(s.request_id)
+                grow = -(-s.max_len // bs) - (0 if state is None else len(state.block_ids))
+                if grow > 0:
+                    headroom += grow if grow < lookahead else lookahead
+            for st in steps:
+                state = states.get(st.stream_id)
+                grow = -(-st.target // bs) - (0 if state is None else len(state.block_ids))
+                if grow > 0:
+                    free -= grow
         admitted: list[Sequence] = []
         while (
             (self.parked or self.waiting)
@@ -203,8 +236,8 @@ class Scheduler:
         ):
             queue = self.parked if self.parked else self.waiting  # parked streams first
             s = queue[0]
-            if s.request_id in kv.held:
-                break  # its write-back is still in flight
+            if s.request_id in kv.held or s.inflight_row >= 0:
+                break  # its write-back, or its last token, is still in flight
             ids = s.all_ids
             hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv)
             cached = hit.num_tokens
@@ -213,6 +246,8 @@ class Scheduler:
             need = kv.blocks_needed(cached + n) - len(hit.device_blocks)
             if self.running and free - need < headroom:
                 break  # keep room for the running streams' next tokens
+            if cached + n < len(ids):
+                partial.append(len(seqs))
             queue.popleft()
             s.status = Status.RUNNING
             self.running.append(s)

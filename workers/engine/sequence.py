@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 
 import torch
 
 from kvserve.kvcache.host_cache import ParkedKV
+from kvserve.kvcache.manager import StreamStep
 from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.workers.structured.state import GrammarState
+
+# Usage((p, c, n)) and RequestOutput((...)) built by tuple.__new__, without a Python frame
+_usage = functools.partial(tuple.__new__, Usage)
+_output = functools.partial(tuple.__new__, RequestOutput)
 
 
 class Status(enum.Enum):
@@ -33,78 +39,128 @@ class Sequence:
         arrival: int,
         priority: int = 0,
     ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
+        # The attributes every step reads come first, in the order the step reads them: an
+        # instance keeps its attribute values in assignment order, so the step touches a few
+        # adjacent cache lines per stream rather than all of them.
+        # read by the sampler
+        self.params = params
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
-        self._all: list[int] = list(prompt_ids)  # prompt + output, grown in place
-        self.params = params
         self.generator = generator
-        self.arrival = arrival
-        self.priority = priority
-        self.status = Status.WAITING
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.num_cached_prompt = 0
-        self.arrival_time = time.monotonic()
-        self.scheduled_time: float | None = None  # first step that computed this stream
-        # set while the stream is evicted (parked) and until its first step back has run
-        self.parked_kv: ParkedKV | None = None
-        self.num_evictions = 0
-        self.max_model_len = max_model_len
-        self.eos_ids = set(tokenizer.eos_token_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self.text = ""  # output text, stop string excluded unless asked
-        self.emitted = 0  # characters of `text` already streamed
+        # read by append() and to_output()
+        # prompt + output ids, one list grown per token (not rebuilt every step); read-only
+        # for everyone else (`set_output_ids` replaces both)
+        self.all_ids: list[int] = list(prompt_ids)
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[list[tuple[int, float]]] | None = (
             [] if params.logprobs else None
         )
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        # what a token is checked against every step, worked out once
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        self._min_tokens = params.min_tokens
+        self.text = ""  # output text, stop string excluded unless asked
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
+                                            keep_text=False)
+        self._detok_push = self.detok.push
+        self._stops = bool(params.stop)
+        # no stop strings and no logprobs: emit() can take its short path
+        self._plain = not params.stop and params.logprobs is None
+        self.max_model_len = max_model_len
+        # the most tokens this stream can reach (prompt + max_tokens, capped by the model)
+        self.max_len = min(max_model_len, len(prompt_ids) + params.max_tokens)
+        self._max_out = self.max_len - len(prompt_ids)
+        self.finish_reason: str | None = None
         # the longest stop string minus one char: text that may still become a stop match
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.emitted = 0  # characters of `text` already streamed
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_len = len(prompt_ids)
+        self.stop_reason: str | int | None = None
+        self.num_cached_prompt = 0
+        self.scheduled_time: float | None = None  # first step that computed this stream
+        self.arrival_time = time.monotonic()
+        # read by the scheduler
+        # asynchronous scheduling: the row of this stream's next token in the last launched
+        # step's sampled ids while that token is still on the device (-1: none in flight)
+        self.inflight_row = -1
+        # set by a feature that needs each token on the host before the next step is planned
+        # (e.g. a grammar mask built from it): the scheduler then waits for the stream's last
+        # token before scheduling it again, so its own steps never overlap
+        self.requires_sync = False
         # a structured output's grammar state (set by the engine); with logit_bias, the
-        # stream's logits are touched before sampling (`guided`)
+        # stream's logits are touched before sampling (`guided`). Its mask is built after the
+        # last token was accepted, also under asynchronous scheduling (the engine samples a
+        # step only after appending the one before), so a guided stream does not need
+        # `requires_sync`.
         self.grammar: GrammarState | None = None
         self.guided = params.logit_bias is not None
+        # what the scheduler asks the KV manager for this stream while it runs (updated in
+        # place every step)
+        self.kv_step = StreamStep(request_id, self.all_ids, 0)
+        self.status = Status.WAITING
+        # the rest
+        self.arrival = arrival
+        self.priority = priority
+        # set while the stream is evicted (parked) and until its first step back has run
+        self.parked_kv: ParkedKV | None = None
+        self.num_evictions = 0
 
-    @property
-    def max_len(self) -> int:
-        """The most tokens this stream can reach (prompt + max_tokens, capped by the model)."""
-        return min(self.max_model_len, len(self.prompt_ids) + self.params.max_tokens)
-
-    @property
-    def all_ids(self) -> list[int]:
-        """Prompt + output ids, one list grown per token (not rebuilt every step); treat
-        it as read-only."""
-        if len(self._all) != len(self.prompt_ids) + len(self.output_ids):  # output_ids replaced
-            self._all = self.prompt_ids + self.output_ids
-        return self._all
+    def set_output_ids(self, ids: list[int]) -> None:
+        """Replace the generated ids (a snapshot resuming here)."""
+        self.output_ids = list(ids)
+        self.all_ids = self.kv_step.token_ids = self.prompt_ids + self.output_ids
 
     def append(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
-        """Add a sampled token and check every stop condition."""
+        """Add a sampled token and check every stop condition (runs for every stream every
+        step: the common case is a few list appends, one set lookup and one detokenizer push)."""
         out = self.output_ids
         out.append(token)
-        self._all.append(token)
+        self.all_ids.append(token)
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
         if top is not None and self.top_logprobs is not None:
             self.top_logprobs.append(top)
-        p = self.params
         n_out = len(out)
-        if ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids) \
-                and n_out >= p.min_tokens:
+        if token in self._stop_ids and n_out >= self._min_tokens:
             self.text += self.detok.flush()
             self._finish("stop", token)
             return
-        prev = len(self.text)
-        delta = self.detok.step([token])
-        if delta:
+        delta = self._detok_push(token)
+        if self._stops:
+            prev = len(self.text)
             self.text += delta
-        if p.stop and n_out >= p.min_tokens and self._check_stop_strings(prev):
-            return
-        if n_out >= p.max_tokens or len(self.prompt_ids) + n_out >= self.max_model_len:
+            if n_out >= self._min_tokens and self._check_stop_strings(prev):
+                return
+        elif delta:
+            self.text += delta
+        if n_out >= self._max_out:
             self.text += self.detok.flush()
             self._finish("length", None)
+
+    def emit(self, token: int) -> RequestOutput:
+        """`append(token, None, None)` then `to_output(1)`, in one call: the engine's path for
+        every stream every step. A token that is not a stop id nor the last one allowed, of a
+        request without stop strings or logprobs, takes a short path with the same result."""
+        out = self.output_ids
+        if not self._plain or token in self._stop_ids or len(out) + 1 >= self._max_out:
+            self.append(token, None, None)
+            return self.to_output(1)
+        out.append(token)
+        self.all_ids.append(token)
+        text = self.text
+        delta = self._detok_push(token)
+        if delta:
+            text = self.text = text + delta
+        start = self.emitted
+        end = self.emitted = len(text)  # no stop strings: nothing is held back
+        st = self.scheduled_time
+        return _output((
+            self.request_id, self.prompt, self.prompt_ids, text, out, None, None, None, None,
+            _usage((self.prompt_len, self.num_cached_prompt, len(out))), [token], text[start:end],
+            None if st is None else st - self.arrival_time,
+        ))
 
     def _check_stop_strings(self, prev_len: int) -> bool:
         # a new match must end in the new text, so it starts at most `holdback` chars before it
@@ -143,25 +199,28 @@ class Sequence:
             self.emitted = max(self.emitted, len(self.text) - self.holdback)
 
     def to_output(self, delta_tokens: int = 0) -> RequestOutput:
-        """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text."""
+        """A snapshot; the delta fields carry the last `delta_tokens` tokens and unsent text.
+
+        `token_ids`, `logprobs` and `top_logprobs` are the request's own lists, not copies:
+        while it runs they keep growing (read them up to `usage.completion_tokens`, or use
+        the delta fields), so an output costs the same at any length."""
         out = self.output_ids
         n = len(out)
         if delta_tokens == 1:
             delta_ids = [out[-1]]
         else:
             delta_ids = out[n - delta_tokens :] if delta_tokens else []
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_ids,
-            text=self.text,
-            token_ids=out[:],
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs,
-            usage=Usage(len(self.prompt_ids), self.num_cached_prompt, n),
-            delta_token_ids=delta_ids,
-            delta_text=self.text_delta(),
-            queue_s=None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
-        )
+        # the text safe to stream (as text_delta), inline: this runs for every stream every step
+        text = self.text
+        start = self.emitted
+        end = len(text)
+        if self.holdback and self.finish_reason is None:
+            end = max(start, end - self.holdback)
+        self.emitted = end
+        st = self.scheduled_time
+        return _output((
+            self.request_id, self.prompt, self.prompt_ids, text, out, self.finish_reason,
+            self.stop_reason, self.logprobs, self.top_logprobs,
+            _usage((self.prompt_len, self.num_cached_prompt, n)), delta_ids, text[start:end],
+            None if st is None else st - self.arrival_time,
+        ))

@@ -120,7 +120,7 @@ def import_stream(engine: LLMEngine, data: bytes, request_id: str | None = None)
 
 def _restore_sequence(seq: Sequence, r: dict[str, Any]) -> None:
     seq.prompt = r["prompt"]
-    seq.output_ids = list(r["output_ids"])
+    seq.set_output_ids(r["output_ids"])
     if seq.output_ids:
         seq.detok.step(seq.output_ids)  # bring the detokenizer's window to the same place
         if seq.grammar is not None:  # and the grammar to where the output left it

@@ -41,6 +41,8 @@ class BytePieces:
         self._pieces: dict[int, bytes] = {}
         # a piece's text when it is whole UTF-8 on its own (most are), else None
         self._texts: dict[int, str | None] = {}
+        # by skip_special_tokens: id -> its text, for ids whose text is whole (one lookup)
+        self.whole: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     @classmethod
     def build(cls, tokenizer: Tokenizer) -> BytePieces | None:
@@ -75,6 +77,7 @@ class BytePieces:
     def text(self, token_id: int, skip_special: bool) -> str | None:
         """The piece as text if it decodes on its own, else None (a split character)."""
         if skip_special and token_id in self._specials:
+            self.whole[True][token_id] = ""
             return ""
         try:
             return self._texts[token_id]
@@ -85,6 +88,8 @@ class BytePieces:
         except UnicodeDecodeError:
             text = None
         self._texts[token_id] = text
+        if text is not None:
+            self.whole[skip_special][token_id] = text
         return text
 
 
@@ -114,13 +119,18 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        keep_text: bool = True,
     ) -> None:
+        """`keep_text=False`: the caller keeps the text itself (`text` is then incomplete)."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._parts: list[str] = []  # the text so far, joined when read
+        self._keep_text = keep_text
         self._pieces = tokenizer.byte_pieces()
         self._pending = b""  # byte-level: the start of a character split across tokens
+        # byte-level: ids whose text is whole, shared by every stream of the tokenizer
+        self._whole: dict[int, str] = {} if self._pieces is None else self._pieces.whole[skip_special_tokens]
         if self._pieces is not None:
             return  # the prompt adds nothing to byte-level text: no context window needed
         context = self._keep(list((prompt_ids or [])[-_PROMPT_CONTEXT:]))
@@ -168,12 +178,13 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix]
             self._read -= self._prefix
             self._prefix = 0
-        self._parts.append(delta)
+        if self._keep_text:
+            self._parts.append(delta)
         return delta
 
     @property
     def text(self) -> str:
-        """Everything emitted so far."""
+        """Everything emitted so far (with keep_text)."""
         parts = self._parts
         if len(parts) > 1:
             parts[:] = ["".join(parts)]
@@ -185,16 +196,29 @@ class IncrementalDetokenizer:
         if not self._pending:
             delta = pieces.text(token_id, self._skip)
             if delta is not None:
-                if delta:
+                if delta and self._keep_text:
                     self._parts.append(delta)
                 return delta
         # bytes of a character split across tokens: decode what is whole, keep the rest
         data = self._pending + pieces.piece(token_id, self._skip)
         delta, used = codecs.utf_8_decode(data, "replace", False)
         self._pending = data[used:]
-        if delta:
+        if delta and self._keep_text:
             self._parts.append(delta)
         return delta
+
+    def push(self, token_id: int) -> str:
+        """`step([token_id])` without the list: one generated id per engine step (for most
+        byte-level tokens, one dictionary lookup)."""
+        if not self._pending:
+            text = self._whole.get(token_id)
+            if text is not None:
+                if self._keep_text and text:
+                    self._parts.append(text)
+                return text
+        if self._pieces is not None:
+            return self._byte_step(token_id)
+        return self.step([token_id])
 
     def step(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (possibly "")."""
@@ -212,6 +236,7 @@ class IncrementalDetokenizer:
                 return ""
             delta = codecs.utf_8_decode(self._pending, "replace", True)[0]
             self._pending = b""
-            self._parts.append(delta)
+            if self._keep_text:
+                self._parts.append(delta)
             return delta
         return self._delta(final=True)

@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from kvserve.kvcache.device_cache import DeviceKVCache
@@ -46,7 +45,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
     block_size: int
     prepared: Any = field(default=None)  # backend-specific, built once per step
-    block_table_array: np.ndarray | None = None  # [S, max_blocks], when the runner built it
+    # the runner's StepInputs (numpy lengths, rows of the persistent block tables), when it
+    # built the step; backends read block tables from there instead of `block_tables`
+    inputs: Any = None
+    device_tables: torch.Tensor | None = None  # the persistent block tables on the device
 
     @property
     def num_streams(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -110,8 +111,12 @@ class TorchAttention:
         self.windows = sorted({spec.window for spec in layers}, key=lambda w: w or 0)
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
-        bs = meta.block_size
         use_kernel = self.kernel is not None and device.type == "cpu"
+        inp = meta.inputs
+        if inp is not None and use_kernel:
+            meta.prepared = self._prepare_rows(meta, inp, device)
+            return
+        bs = meta.block_size
         plans: dict[int | None, list[_StreamPlan]] = {w: [] for w in self.windows}
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
@@ -139,6 +144,34 @@ class TorchAttention:
             if not step.all_decode:
                 step.dec_rows = torch.tensor(dec_rows, dtype=torch.long)
         meta.prepared = step
+
+    def _prepare_rows(self, meta: AttentionMetadata, inp, device: torch.device) -> _StepPlan:
+        """From the runner's arrays: the decode streams' block tables are one gather from
+        their rows of the persistent array (no per-stream Python); only prefill chunks get a
+        per-stream SDPA plan."""
+        bs = meta.block_size
+        qlens, ctxs = inp.query_lens, inp.context_lens
+        dec = qlens == 1
+        n_dec = int(dec.sum())
+        plans: dict[int | None, list[_StreamPlan]] = {w: [] for w in self.windows}
+        mixed = n_dec < len(qlens)
+        if mixed:
+            q_end = inp.logits_indices + 1
+            for i in np.flatnonzero(~dec).tolist():
+                q, ctx = int(qlens[i]), int(ctxs[i])
+                for window, out in plans.items():
+                    out.append(_plan_stream(int(q_end[i]) - q, q, ctx, meta.block_tables[i], bs,
+                                            window, device))
+        step = _StepPlan(plans, None, None, None, all_decode=not mixed)
+        if n_dec:
+            rows = inp.rows if not mixed else inp.rows[dec]
+            lens = (ctxs + 1) if not mixed else ctxs[dec] + 1
+            width = -(-int(lens.max()) // bs)
+            step.dec_tables = torch.from_numpy(np.ascontiguousarray(inp.tables[rows, :width]))
+            step.dec_lens = torch.from_numpy(lens.astype(np.int32))
+            if mixed:
+                step.dec_rows = torch.from_numpy(inp.logits_indices[dec])
+        return step
 
     def forward(
         self,

@@ -1,9 +1,10 @@
 """Triton attention backend: one kernel launch per layer for the whole mixed step.
 
-The CUDA default when triton imports. `prepare` turns the step's per-stream lengths
-into the kernel's tiles and a padded block-table array with numpy (no per-token
-Python); the runner sends them to the device with its own step inputs in one copy, and
-every layer reuses them.
+The CUDA default when triton imports. `host_plan` turns the step's per-stream lengths
+into the kernel's tiles with numpy (no per-token Python); a tile names its stream by the
+stream's row in the persistent block-table array, which the kernel reads in place (its
+device mirror on CUDA), so no per-step block-table array is built or copied. The runner
+sends the tiles with its own step inputs in one copy, and every layer reuses them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ class TritonStep:
     block_q: int
 
 
-def build_tiles(query_lens: np.ndarray, context_lens: np.ndarray, block_q: int) -> np.ndarray:
-    """[4, num_tiles] int64: a stream's query tokens in tiles of at most `block_q`."""
+def build_tiles(query_lens: np.ndarray, context_lens: np.ndarray, block_q: int,
+                rows: np.ndarray | None = None) -> np.ndarray:
+    """[4, num_tiles] int64: a stream's query tokens in tiles of at most `block_q`; a tile's
+    stream is its row in the block tables (`rows[i]` for stream i, else i)."""
     q = query_lens.astype(np.int64)
     per = -(-q // block_q)
     n = int(per.sum())
@@ -38,7 +41,7 @@ def build_tiles(query_lens: np.ndarray, context_lens: np.ndarray, block_q: int) 
     off = (np.arange(n) - np.repeat(first_tile, per)) * block_q
     q_start = np.cumsum(q) - q
     out = np.empty((4, n), dtype=np.int64)
-    out[0] = stream
+    out[0] = stream if rows is None else rows[stream]
     out[1] = np.repeat(q_start, per) + off
     out[2] = np.minimum(block_q, np.repeat(q, per) - off)
     out[3] = np.repeat(context_lens.astype(np.int64), per) + off
@@ -66,18 +69,27 @@ class TritonAttention:
         self.layers = layers
 
     def host_plan(self, meta: AttentionMetadata) -> list[np.ndarray]:
-        """The kernel's integer inputs for this step (the runner copies them with its own)."""
-        qlens = np.asarray(meta.query_lens, dtype=np.int64)
-        ctxs = np.asarray(meta.context_lens, dtype=np.int64)
+        """The kernel's integer inputs for this step (the runner copies them with its own):
+        the tiles, and a padded block-table array unless the step reads the persistent one."""
+        inp = meta.inputs
+        if inp is not None:
+            qlens, ctxs = inp.query_lens, inp.context_lens
+        else:
+            qlens = np.asarray(meta.query_lens, dtype=np.int64)
+            ctxs = np.asarray(meta.context_lens, dtype=np.int64)
         block_q = 1 if int(qlens.max()) == 1 else PREFILL_TILE
-        tables = meta.block_table_array
-        if tables is None:
-            tables = pad_tables(meta.block_tables, qlens + ctxs, meta.block_size)
         meta.prepared = block_q
-        return [build_tiles(qlens, ctxs, block_q), tables]
+        if inp is not None:
+            return [build_tiles(qlens, ctxs, block_q, inp.rows)]
+        return [build_tiles(qlens, ctxs, block_q), pad_tables(meta.block_tables, qlens + ctxs, meta.block_size)]
 
     def bind(self, meta: AttentionMetadata, arrays: list[torch.Tensor]) -> None:
-        tiles, tables = arrays
+        if len(arrays) == 2:
+            tiles, tables = arrays
+        else:
+            tiles, tables = arrays[0], meta.device_tables
+            if tables is None:  # the host array is the device's (CPU, under the interpreter)
+                tables = torch.from_numpy(meta.inputs.tables)
         meta.prepared = TritonStep(tables, tiles, meta.prepared)
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:

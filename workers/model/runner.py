@@ -4,17 +4,24 @@ Prefill chunks and single decode tokens are packed together without padding.
 The step follows plan-then-apply: every block it writes is reserved first
 (all or nothing), the forward runs, and only then is the cache state advanced;
 if the forward raises, the reservation is rolled back and the cache is as it was.
+
+Under asynchronous scheduling a step is launched before the tokens of the step before
+it reach the host: those streams' input ids are taken on the device from that step's
+sampled ids (`DeviceTokens`), and the engine commits the plan once it knows them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.kvcache.block_tables import BlockTables
 from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.kvcache.host_cache import HostTier, default_host_bytes
 from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
@@ -24,7 +31,7 @@ from kvserve.workers.model.models.registry import build_model
 from kvserve.workers.model.step_inputs import build_step, to_device
 
 if TYPE_CHECKING:  # needs triton: imported only where graphs are used
-    from kvserve.workers.model.cuda_graphs import DecodeGraphs
+    from kvserve.workers.model.cuda_graphs import StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,41 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # hears start-up stages: "loading", "capturing graphs 3/9"
 Progress = Callable[[str], None]
+
+
+@dataclass
+class DeviceTokens:
+    """Input ids a step takes from an earlier step's sampled ids, still on the device."""
+
+    streams: np.ndarray  # indices, in this step's plan, of the streams whose input they are
+    rows: np.ndarray  # each one's row in `tokens`
+    tokens: torch.Tensor  # [R] int64 sampled ids of the earlier step
+
+
+class DeviceTables:
+    """The device copy of the persistent block tables (CUDA): a step's changed entries
+    travel with its inputs and are applied by one scatter before its forward."""
+
+    def __init__(self, tables: BlockTables, device: torch.device) -> None:
+        self.src = tables
+        tables.track = True
+        self.device = device
+        self._upload()
+
+    def _upload(self) -> None:
+        self.capacity = self.src.capacity_changes
+        self.tensor = torch.from_numpy(self.src.array).to(self.device)
+        self.src.take_updates()  # the whole copy holds them
+
+    def pending(self) -> tuple[np.ndarray, np.ndarray]:
+        """(flat indices, values) to apply before the next forward."""
+        if self.src.capacity_changes != self.capacity:  # more streams than planned for
+            self._upload()
+        return self.src.take_updates()
+
+    def apply(self, idx: torch.Tensor, vals: torch.Tensor) -> None:
+        if idx.numel():
+            self.tensor.view(-1).index_copy_(0, idx, vals.to(torch.int32))
 
 
 class ModelRunner:
@@ -51,28 +93,41 @@ class ModelRunner:
             quantized=loaded.quantized, quantized_decode=config.quantized_decode,
         )
         self.block_size = config.block_size
+        on_cuda = self.device.type == "cuda"
         # every layer windowed (Mistral, Phi-3 with sliding_window): blocks no window reaches
         # are released; with global layers among them (Gemma) every block stays
         window = cfg.sliding_window if cfg.sliding_window is not None and cfg.all_sliding else None
+        # a windowed stream is not capped by the pool (its table keeps released ids)
+        max_tokens = self.max_model_len
+        if window is None:
+            max_tokens = min(max_tokens, config.num_blocks * config.block_size)
+        # a row of the persistent block tables per running stream, as wide as a stream can grow
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window)
+                                 window, max_blocks_per_stream=-(-max_tokens // config.block_size),
+                                 slots=config.max_num_seqs, pin_tables=on_cuda)
+        self.tables = DeviceTables(self.kv.tables, self.device) if on_cuda else None
         self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
         self.attn.configure(self.model.attention_layers)
         log.info("attention backend: %s", self.attn.name)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn.name == "triton"
+        use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
         # with CUDA graphs, one block past the pool takes the padding rows' K/V writes
         self.cache = DeviceKVCache(
             cfg.num_layers, config.num_blocks + int(use_graphs), config.block_size,
             cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
         )
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if use_graphs:
-            from kvserve.workers.model.cuda_graphs import DecodeGraphs
+            from kvserve.workers.model.cuda_graphs import StepGraphs
 
-            max_tokens = min(self.max_model_len, config.num_blocks * config.block_size)
-            self.graphs = DecodeGraphs(self.model, self.cache, self.attn, config.max_num_seqs,
-                                       -(-max_tokens // config.block_size), config.num_blocks)
-            log.info("capturing CUDA graphs for decode batches %s", self.graphs.buckets)
+            assert self.tables is not None
+            t = self.kv.tables
+            self.graphs = StepGraphs(self.model, self.cache, self.attn, config.max_num_seqs,
+                                     self.tables.tensor, config.num_blocks,
+                                     max_tokens=min(config.max_num_batched_tokens,
+                                                    config.cuda_graph_max_tokens),
+                                     extra=2 * t.slots * t.width + 2 * config.max_num_seqs)
+            log.info("capturing CUDA graphs: decode batches %s, %d mixed buckets",
+                     self.graphs.buckets, len(self.graphs.mixed))
             self.graphs.capture(progress)
         self.host: HostTier | None = None
         host_bytes = (default_host_bytes() if config.host_cache_gib is None
@@ -91,16 +146,21 @@ class ModelRunner:
         plan = self.kv.reserve(steps)
         return plan, self.run(plan)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, prev: DeviceTokens | None = None) -> torch.Tensor:
         """Apply a reserved plan: forward, then commit; on any error roll the plan back."""
+        logits = self.launch(plan, prev)
+        self.kv.commit(plan)
+        return logits
+
+    def launch(self, plan: StepPlan, prev: DeviceTokens | None = None) -> torch.Tensor:
+        """The plan's forward (on CUDA: queued, not waited for); on any error the plan is
+        rolled back. The caller commits it (`kv.commit`) once its tokens are known."""
         try:
             self._move_blocks(plan)
-            logits = self._forward(plan)
+            return self._forward(plan, prev)
         except BaseException:
             self.kv.rollback(plan)
             raise
-        self.kv.commit(plan)
-        return logits
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies a step needs before its forward: first save cached blocks the
@@ -110,30 +170,55 @@ class ModelRunner:
         if plan.demoted:
             self.host.demote(plan.demoted)
             plan.demoted = []
-        pairs = [hd for p in plan.streams for hd in p.host_in]
+        pairs = [hd for p in plan.restores for hd in p.host_in]
         if pairs:
             self.host.restore([h for h, _ in pairs], [d for _, d in pairs])
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
+    def _forward(self, plan: StepPlan, prev: DeviceTokens | None = None) -> torch.Tensor:
         step = build_step(plan, self.block_size, self.max_model_len)
-        if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step)
+        # what follows the step's own inputs in its one copy: table changes, device ids
+        extras: list[np.ndarray] = []
+        if self.tables is not None:
+            extras += self.tables.pending()
+        if prev is not None and len(prev.streams):
+            extras += [step.logits_indices[prev.streams], prev.rows]
+        graphs = self.graphs
+        if graphs is not None and graphs.tables is self._device_tables():
+            key = graphs.key_for(step, sum(a.size for a in extras))
+            if key is not None:
+                views = graphs.stage(key, step, extras)
+                self._apply(views, graphs.views(key)["ids"], prev)
+                return graphs.run(step, key)
         meta = AttentionMetadata(
             query_lens=step.query_lens.tolist(), context_lens=step.context_lens.tolist(),
             block_tables=[p.block_ids for p in plan.streams], slot_mapping=None,  # type: ignore[arg-type]
-            block_size=self.block_size, block_table_array=step.block_tables,
+            block_size=self.block_size, inputs=step, device_tables=self._device_tables(),
         )
         dev = self.device
         extra = self.attn.host_plan(meta) if hasattr(self.attn, "host_plan") else []
-        parts = [step.input_ids, step.positions, step.slot_mapping, step.logits_indices, *extra]
+        parts = [step.input_ids, step.positions, step.slot_mapping, step.logits_indices, *extra, *extras]
         views = to_device(parts, dev)
         ids, pos, slots, last = views[:4]
         meta.slot_mapping = slots
+        self._apply(views[4 + len(extra):], ids, prev)
         if extra:
-            self.attn.bind(meta, views[4:])  # type: ignore[attr-defined]
+            self.attn.bind(meta, views[4 : 4 + len(extra)])  # type: ignore[attr-defined]
         else:
             self.attn.prepare(meta, dev)
         return self.model.forward(ids, pos, meta, self.cache, self.attn, last)
+
+    def _device_tables(self) -> torch.Tensor | None:
+        return self.tables.tensor if self.tables is not None else None
+
+    def _apply(self, extras: list[torch.Tensor], ids: torch.Tensor, prev: DeviceTokens | None) -> None:
+        """On the device, before the forward: the table changes, then the ids still there."""
+        if self.tables is not None:
+            self.tables.apply(extras[0], extras[1])
+            extras = extras[2:]
+        if extras:
+            assert prev is not None
+            dst, rows = extras
+            ids.index_copy_(0, dst, prev.tokens.index_select(0, rows))
 
     def free(self, stream_id: str) -> None:
         self.kv.free(stream_id)

@@ -1,10 +1,12 @@
-"""A step's model inputs built with numpy from per-stream ranges, sent in one copy.
+"""A step's model inputs built with numpy from per-stream ranges and the persistent block
+tables, sent in one copy.
 
-Token ids, positions, slot mapping, logits rows and the padded block-table array come
-from each stream's (start, target) and block table with array arithmetic: the Python
-work per step is O(streams), never O(tokens). On CUDA every integer input of the step
-(the attention backend's own arrays included) travels in one pinned host buffer and a
-single host-to-device copy.
+Token ids, positions, slot mapping and logits rows come from each stream's (start, target)
+with array arithmetic, and each stream's blocks are read from its row of the KV manager's
+persistent block-table array (`kvcache/block_tables.py`): the Python work per step is
+O(streams), never O(tokens) or O(context). On CUDA every integer input of the step (the
+attention backend's own arrays and the block-table changes included) travels in one pinned
+host buffer and a single host-to-device copy.
 """
 
 from __future__ import annotations
@@ -20,47 +22,73 @@ from kvserve.kvcache.manager import StepPlan
 
 @dataclass
 class StepInputs:
-    input_ids: np.ndarray  # [T] int64
+    input_ids: np.ndarray  # [T] int64; 0 where the token is still on the device (`runner`)
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T] flat cache slot of every new token
     logits_indices: np.ndarray  # [S] last new token of each stream
     query_lens: np.ndarray  # [S]
     context_lens: np.ndarray  # [S]
-    block_tables: np.ndarray  # [S, max_blocks] (zero-padded)
+    rows: np.ndarray  # [S] each stream's row in `tables`
+    tables: np.ndarray  # [slots, width] int32: every stream's block table (entries past its length stale)
+    num_blocks: int  # the most blocks a stream of this step reads
+
+    @property
+    def block_tables(self) -> np.ndarray:
+        """[S, num_blocks] the step's rows, compact (a gather: tests and small consumers)."""
+        return self.tables[self.rows, : self.num_blocks]
 
 
 def build_step(plan: StepPlan, block_size: int, max_model_len: int) -> StepInputs:
     streams = plan.streams
     n = len(streams)
     starts = np.fromiter((p.start for p in streams), np.int64, n)
-    targets = np.fromiter((p.target for p in streams), np.int64, n)
-    over = np.flatnonzero(targets > max_model_len)
-    if over.size:
-        p = streams[int(over[0])]
+    if plan.num_tokens == n:  # decode only (a plan from the manager says so)
+        targets = starts + 1
+    else:
+        targets = np.fromiter((p.target for p in streams), np.int64, n)
+    top = int(targets.max())
+    if top > max_model_len:
+        p = streams[int(np.flatnonzero(targets > max_model_len)[0])]
         raise ValueError(f"stream {p.stream_id}: {p.target} tokens exceed max_model_len {max_model_len}")
     qlens = targets - starts
     total = int(qlens.sum())
     token_ids = plan.token_ids
-    if total == n:  # decode only: one token per stream
-        ids = np.fromiter((token_ids[p.stream_id][p.start] for p in streams), np.int64, n)
-        positions = starts.copy()
+    if total == n:  # decode only: one token per stream (past the known ones: on the device)
+        ids = np.fromiter((t[s] if s < len(t) else 0 for t, s in
+                           zip([token_ids[p.stream_id] for p in streams], starts.tolist(), strict=True)),
+                          np.int64, n)
+        positions = starts
     else:
         ids = np.fromiter(
-            itertools.chain.from_iterable(token_ids[p.stream_id][p.start : p.target] for p in streams),
+            itertools.chain.from_iterable(_chunk(token_ids[p.stream_id], p.start, p.target) for p in streams),
             np.int64, total,
         )
         positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(qlens) - qlens), qlens)
     ends = np.cumsum(qlens)
-    # the padded block tables from one flat list: row-major order of the mask is table order
-    lens = np.fromiter((len(p.block_ids) for p in streams), np.int64, n)
-    width = int(lens.max())
-    tables = np.zeros((n, width), dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(p.block_ids for p in streams), np.int64,
-                       int(lens.sum()))
-    tables[np.arange(width) < lens[:, None]] = flat
-    owner = np.repeat(np.arange(n), qlens) if total != n else np.arange(n)
-    slots = tables[owner, positions // block_size] * block_size + positions % block_size
-    return StepInputs(ids, positions, slots, ends - 1, qlens, starts, tables)
+    if plan.tables is not None:
+        tables = plan.tables.array
+        rows = np.fromiter((p.slot for p in streams), np.int64, n)
+    else:  # a plan made by hand (tests): rows from the streams' block lists
+        tables, rows = _tables_from_lists([p.block_ids for p in streams]), np.arange(n)
+    owner = rows if total == n else np.repeat(rows, qlens)
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepInputs(ids, positions, slots, ends - 1, qlens, starts, rows, tables,
+                      -(-top // block_size))
+
+
+def _chunk(tokens: list[int], start: int, target: int) -> list[int]:
+    """tokens[start:target]; a position past the known tokens (its token is on the device,
+    one per stream at most) reads as 0."""
+    part = tokens[start:target]
+    return part if len(part) == target - start else part + [0] * (target - start - len(part))
+
+
+def _tables_from_lists(block_ids: list[list[int]]) -> np.ndarray:
+    lens = np.fromiter((len(b) for b in block_ids), np.int64, len(block_ids))
+    out = np.zeros((len(block_ids), max(1, int(lens.max()))), dtype=np.int32)
+    out[np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_ids), np.int32, int(lens.sum()))
+    return out
 
 
 def to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
