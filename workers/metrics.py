@@ -55,22 +55,42 @@ def model_stem(path: str | os.PathLike[str]) -> str:
 
 def zero(counter: Any, tags: dict[str, str] | None = None) -> None:
     """Export a counter series at 0 before its first event, as Prometheus clients do
-    (Ray's public `inc` refuses 0; its record path does not). Outside Ray (an engine built
-    in-process) nothing is recorded: Ray would keep the series and export them with
-    whatever session the process joins later."""
-    import ray
-
-    if not ray.is_initialized():
-        return
+    (Ray's public `inc` refuses 0; its record path does not)."""
     try:
         counter._record(0, tags=tags)
     except Exception:  # a Ray without that path: the series appears at its first event
         log.debug("cannot pre-register %s at 0", counter, exc_info=True)
 
 
+class _Unexported:
+    """A metric of a worker built in-process (tests, tools), outside a Ray actor: recorded
+    nowhere. Ray would export it from whatever driver runs the process, under the labels of
+    a worker that does not serve."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_default_tags(self, tags: dict[str, str]) -> _Unexported:
+        return self
+
+    def inc(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    observe = set = _record = inc
+
+
+def _in_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 class WorkerMetrics:
     def __init__(self, model: str, worker_id: str) -> None:
-        from ray.util.metrics import Counter, Gauge, Histogram
+        if _in_actor():
+            from ray.util.metrics import Counter, Gauge, Histogram
+        else:
+            Counter = Gauge = Histogram = _Unexported  # noqa: N806
 
         keys = ("model", "worker")
         tags = {"model": model, "worker": worker_id}

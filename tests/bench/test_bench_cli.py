@@ -53,6 +53,7 @@ def test_identical_counts_sequences_and_common_prefixes() -> None:
     assert r == {"identical": 1, "of": 2, "mean_common_prefix": 2.0}
 
 
+@pytest.mark.slow
 def test_bench_throughput_against_hf_continuous(tmp_path, capsys, keep_torch_threads) -> None:
     out = tmp_path / "tp.json"
     argv = ["bench", "throughput", "--num-seqs", "3", "--input-len", "8:20", "--output-len", "3:9",

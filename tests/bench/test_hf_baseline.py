@@ -16,6 +16,8 @@ from transformers.generation import configuration_utils
 from kvserve.bench.hf import make_cb_config
 from kvserve.cli import main
 
+pytestmark = pytest.mark.slow  # the heavy tier (README: the two commands)
+
 _CBC = configuration_utils.ContinuousBatchingConfig
 
 

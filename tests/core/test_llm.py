@@ -120,6 +120,7 @@ def test_prompt_larger_than_cache(smol_path):
         llm.generate(list(range(100, 200)), GREEDY)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_outputs_identical(smol_path, smol_llm: LLM):
     """A pool far too small for the batch forces preemption; outputs match the roomy run."""
     prompts = [f"Item {i}: the history of {w} is" for i, w in

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import pytest
 
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
@@ -89,6 +90,7 @@ def test_router_and_workers_survive_an_ingress_restart(serve_app):
     assert r.text == before_text
 
 
+@pytest.mark.slow
 def test_router_is_reused_for_its_config_replaced_for_another_and_killed(serve_app):
     """A second router (its own name, one worker) beside the app's: the same configuration
     finds it again, one that changes only the worker count resizes it, another one replaces

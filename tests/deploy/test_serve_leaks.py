@@ -105,6 +105,7 @@ def _corrections(serve_app) -> int:
     return sum(w["reconciled_slots"] for w in serve_app.server_info()["workers"])
 
 
+@pytest.mark.slow
 def test_http_disconnects_leave_no_inflight_slot(serve_app):
     serve_app.wait_all_alive()
     before = _greedy_http(serve_app)

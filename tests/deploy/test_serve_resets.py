@@ -13,6 +13,7 @@ import struct
 import time
 
 import grpc
+import pytest
 
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
@@ -112,6 +113,7 @@ def test_http_connection_resets_leave_no_inflight_slot(serve_app):
     _assert_released(serve_app)
 
 
+@pytest.mark.slow
 def test_grpc_calls_cancelled_at_random_leave_no_inflight_slot(serve_app):
     serve_app.wait_all_alive()
 

@@ -40,6 +40,7 @@ def wait_idle(eng: AsyncLLMEngine, timeout: float = 30.0) -> None:
     raise AssertionError(f"engine not idle: {eng.stats()}")
 
 
+@pytest.mark.slow
 def test_64_concurrent_requests_match_solo_runs(aengine):
     rng = random.Random(7)
     reqs = []
