@@ -101,6 +101,7 @@ def _assert_released(app) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_http_connection_resets_leave_no_inflight_slot(serve_app):
     serve_app.wait_all_alive()
 

@@ -47,10 +47,12 @@ STARTING = PRELUDE + textwrap.dedent("""
 """)
 
 
-def _run(script: str, sig: int) -> tuple[int, str, float]:
+def _run(script: str, sig: int, stuck: bool = False) -> tuple[int, str, float]:
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "ready"
+    if stuck:  # signal only once the main thread waits in the futex (not while it still
+        _wait_in_futex(p.pid)  # runs Python code between "ready" and the lock)
     t0 = time.monotonic()
     p.send_signal(sig)
     try:
@@ -68,7 +70,18 @@ def test_a_signal_unwinds_the_start(sig):
     assert out.splitlines() == [f"start unwound True {int(sig)}", "done"]
 
 
+def _wait_in_futex(pid: int, timeout: float = 60.0) -> None:
+    """Until the process's main thread sleeps in a futex wait (its kernel wait channel)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/task/{pid}/wchan") as f:
+            if "futex" in f.read():
+                return
+        assert time.monotonic() < deadline, "the main thread never blocked in the lock"
+        time.sleep(0.01)
+
+
 def test_a_signal_reaches_a_main_thread_stuck_in_c():
-    rc, out, took = _run(STUCK, signal.SIGTERM)
+    rc, out, took = _run(STUCK, signal.SIGTERM, stuck=True)
     assert rc == 0 and out.splitlines() == ["stuck: ended by the watcher"], out
     assert took >= 1.0  # the watcher gave the handler its time first

@@ -79,7 +79,8 @@ def test_smollm2_greedy_matches_transformers(smol_llm: LLM, hf_smol):
         assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("c_kernel", [True, False], ids=["c-decode-kernel", "sdpa-only"])
+@pytest.mark.parametrize("c_kernel", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["c-decode-kernel", "sdpa-only"])
 def test_isolation_alone_vs_packed(smol_path, c_kernel):
     """A stream's logits are the same alone or packed with 15 streams of other lengths."""
     loaded = load_model(smol_path)
