@@ -71,7 +71,9 @@ class ToolPlan:
         one = self.mode == "named" or not self.parallel
         schema = {"type": "array", "items": item, "minItems": 1,
                   "maxItems": 1 if one else MAX_PARALLEL_CALLS}
-        return json_schema_output(schema, strict=all(f.strict for f in fns), where="tools")
+        # strict: the arguments name only the parameters' properties (extra keys only where a
+        # schema allows them explicitly), as a function called with them expects
+        return json_schema_output(schema, strict=True, where="tools")
 
 
 def _call_schema(f: Function) -> dict[str, Any]:

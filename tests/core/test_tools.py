@@ -192,3 +192,20 @@ def test_smollm2_template_gets_the_default_tools_prompt():
     assert text.endswith("<|im_start|>assistant\n")
     plain = tok.apply_chat_template(msgs[:1])
     assert "<tools>" not in plain  # no tools, no tools prompt
+
+
+def test_forced_arguments_name_only_the_parameters():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvserve.workers.structured.grammars import _grammar, _xgr
+
+    loose = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+    open_ = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"],
+        "additionalProperties": True}}}
+    call = '[{"name": "get_time", "arguments": {"tz": "UTC"%s}}]'
+    for tool, extra_ok in [(loose, False), (open_, True)]:
+        g = _grammar(_xgr(), parse_tools([tool], "required").structured())
+        assert accepts(g, call % "")
+        assert accepts(g, call % ', "id": 1') is extra_ok
