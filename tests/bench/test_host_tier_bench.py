@@ -50,7 +50,7 @@ def test_bench_multiturn_json(tiny_path, tmp_path, capsys, keep_torch_threads):
     out = tmp_path / "m.json"
     assert main(["bench", "multiturn", "--model", tiny_path, "--conversations", "3", "--turns", "3",
                  "--turn-len", "40", "--output-len", "4", "--block-size", "4", "--min-history", "80",
-                 "--threads", "1", "--json", str(out)]) == 0
+                 "--threads", "1", "--restore-policy", "copy", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["same_outputs"] is True
     assert r["without_host"]["host_prefix_hit_tokens"] == 0
