@@ -19,6 +19,7 @@ write-back is already paid). `policy` "copy" or "recompute" forces the choice (t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 POLICIES = ("cost", "copy", "recompute")
@@ -37,6 +38,18 @@ DIRECTIONS = ("out", "in")  # device -> host, host -> device
 def stat_key(decision: str, reason: str) -> str:
     """The `LLMEngine.stats()` key counting one (decision, reason)."""
     return f"restores_{decision}_{reason}"
+
+
+def host_tier_summary(stats: Mapping[str, float], policy: str) -> dict[str, object]:
+    """A worker's cost model and choices from its engine stats (`GetServerInfo`)."""
+    return {
+        "restore_policy": policy,
+        "copy_gbps_d2h": float(stats.get("host_copy_gbps_d2h", 0.0)),
+        "copy_gbps_h2d": float(stats.get("host_copy_gbps_h2d", 0.0)),
+        "prefill_tokens_per_s": float(stats.get("prefill_tokens_per_s", 0.0)),
+        "restores": {f"{d}/{r}": int(stats.get(stat_key(d, r), 0)) for d, r in DECISIONS},
+        "writebacks_skipped": int(stats.get("writebacks_skipped", 0)),
+    }
 
 
 @dataclass(frozen=True, slots=True)
