@@ -29,6 +29,7 @@ def test_bench_pressure_json(tiny_path, tmp_path, capsys, keep_torch_threads):
     out = tmp_path / "p.json"
     assert main(["bench", "pressure", "--model", tiny_path, "--num-prompts", "8", "--input-len", "24",
                  "--output-len", "16", "--block-size", "4", "--baseline", "none", "--threads", "1",
+                 "--restore-policy", "copy",
                  "--no-progress", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     runs = r["runs"]

@@ -53,7 +53,7 @@ def test_grpc_info_methods(serve_app, stub):
     # the host tier's cost model: measured at each worker's start-up, every decision listed
     for w in info.workers:
         ht = w.host_tier
-        assert ht.restore_policy == "cost"
+        assert ht.restore_policy == "copy"  # serve_fixtures.ENGINE
         assert ht.copy_gbps_d2h > 0 and ht.copy_gbps_h2d > 0 and ht.prefill_tokens_per_s > 0
         assert "copy/cheaper_to_copy" in ht.restores and "recompute/not_on_host" in ht.restores
         assert w.stats["host_copy_gbps_h2d"] == pytest.approx(ht.copy_gbps_h2d)
@@ -62,7 +62,7 @@ def test_grpc_info_methods(serve_app, stub):
     with urllib.request.urlopen(req, timeout=30) as r:
         http = json.loads(r.read())
     for w in http["workers"]:
-        assert w["host_tier"]["restore_policy"] == "cost" and w["host_tier"]["prefill_tokens_per_s"] > 0
+        assert w["host_tier"]["restore_policy"] == "copy" and w["host_tier"]["prefill_tokens_per_s"] > 0
         assert set(w["host_tier"]["restores"]) == set(ht.restores)
 
 
