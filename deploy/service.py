@@ -29,6 +29,7 @@ from kvserve.deploy.stream_relay import StreamRelay
 from kvserve.deploy.token_demux import TokenDemux
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import hash_full_blocks
+from kvserve.kvcache.restore_cost import host_tier_summary
 from kvserve.models import resolve_model
 from kvserve.router.lifecycle import get_or_create_router
 from kvserve.sampling import SamplingParams, parse_sampling_params
@@ -364,6 +365,9 @@ class Service:
             info = await self.router.server_info.remote()
         except RayActorError:
             raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
+        policy = self.cfg.engine_config().host_restore_policy
+        for w in info["workers"]:
+            w["host_tier"] = host_tier_summary(w.get("stats", {}), policy)
         # this ingress replica's own view: slots it holds for requests it is serving
         info["ingress"] = {"slots": len(self.live), "retries": self.retries,
                            "pick_waits": self.waits, **self.tokens.info()}

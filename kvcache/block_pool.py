@@ -89,6 +89,13 @@ class BlockPool:
             self.release([b])
             self.free_queue.move_to_end(b, last=False)
 
+    def reset_order(self) -> None:
+        """Put an idle pool's free queue back in block-id order, as new (after a start-up
+        probe used some blocks)."""
+        if self.num_free != self.num_blocks or self.cached:
+            raise RuntimeError("reset_order needs an idle pool with nothing cached")
+        self.free_queue = OrderedDict((b, None) for b in range(self.num_blocks))
+
     def register(self, block_id: int, block_hash: int) -> None:
         """Record that `block_id` now holds the full block with `block_hash`."""
         if self.block_hash[block_id] is not None:

@@ -3,9 +3,9 @@
 Layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
 Per layer, K and V are each one contiguous [num_blocks * block_size, H, D]
 array, so a token's slot is `block_id * block_size + offset` and a stream
-whose blocks are consecutive reads its KV as a zero-copy view. Moving a whole
-stream (to host memory, to another engine) is one `index_select` over the
-block dimension for all layers at once.
+whose blocks are consecutive reads its KV as a zero-copy view. Moving whole
+blocks is one `index_select` over the block dimension for all layers at once;
+the host tier keeps its blocks block-major instead (`transfer.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The host tier: a second-level KV block pool in host memory.
 
-Blocks have the device pool's geometry, so a block moves with one copy. One
-table, keyed by the same chained content hash as the device prefix cache, holds
+The pool is block-major, [num_blocks, L, 2, bs, H, D] (pinned on CUDA): one host block,
+every layer's K and V, is one contiguous span, so a block moves as one direct copy (see
+`transfer.py`). One table, keyed by the same chained content hash as the device prefix cache, holds
 both the blocks of evicted (parked) streams and blocks demoted from the device
 when its LRU reuses them. A parked stream resuming and a follow-up turn of a
 conversation are therefore the same lookup: a prefix hit served by copy.
@@ -11,6 +12,10 @@ hash already on host is not copied again. The table is a `BlockPool`: a parked
 stream's blocks are referenced (pinned) and cannot be evicted; unreferenced
 blocks keep their content and are evicted LRU when the pool needs space. A
 parked stream's partial last block is kept as a private (unhashed) block.
+
+Every copy that only pays off if the block later comes back by copy (a write-back, a
+demotion, a restore) is made only where the restore cost model (`restore_cost.py`) finds the
+copy cheaper than recomputing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.restore_cost import Choice, RestoreCost
 from kvserve.kvcache.transfer import BlockCopier, Transfer
+
+# blocks timed each way at start-up (the bandwidth figure), beside one block (the latency)
+CALIBRATION_BLOCKS = 32
 
 # The default host pool: this share of the RAM that is available when the engine starts,
 # but never more than the cap, so several engines on one machine cannot exhaust it.
@@ -50,6 +59,7 @@ class ParkedKV:
     tail_block: int | None = None  # the partial last block (private), pinned
     tail_tokens: int = 0  # tokens in tail_block
     transfer: Transfer | None = None
+    choice: Choice | None = None  # why nothing was written back (the cost rule), if so
 
     @property
     def saved_tokens(self) -> int:
@@ -60,19 +70,23 @@ class ParkedKV:
 
 
 class HostTier:
-    def __init__(self, device_kv: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    def __init__(self, device_kv: torch.Tensor, num_blocks: int, block_size: int,
+                 policy: str = "cost") -> None:
         if num_blocks < 1:
             raise ValueError("the host tier needs at least one block")
         self.block_size = block_size
         self.table = BlockPool(num_blocks)
-        shape = (device_kv.shape[0], device_kv.shape[1], num_blocks, *device_kv.shape[3:])
+        shape = (num_blocks, device_kv.shape[0], device_kv.shape[1], *device_kv.shape[3:])
         pin = device_kv.device.type == "cuda"
-        # torch.empty: pages are only committed when a block is first written
+        # torch.empty: pages are only committed when a block is first written (on CPU)
         self.kv = torch.empty(shape, dtype=device_kv.dtype, pin_memory=pin)
         self.copier = BlockCopier(device_kv, self.kv)
-        self.bytes_per_block = self.kv[:, :, 0].numel() * self.kv.element_size()
+        self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
+        self.cost = RestoreCost(self.bytes_per_block / block_size, policy)
+        self.copier.cost = self.cost
         self.evictions = 0  # cached host blocks dropped to make room
         self.blocks_written = 0
+        self.demotions_skipped = 0  # blocks not demoted: recomputing them is cheaper
         self.table.on_evict = self._on_evict
 
     def _on_evict(self, block_id: int, block_hash: int) -> None:
@@ -141,8 +155,12 @@ class HostTier:
         """Save device blocks (device id, hash) that are about to be reused; returns blocks copied.
 
         Hashes already on host are skipped; with no evictable host block left the rest
-        is dropped (the device prefix cache would have dropped it anyway).
+        is dropped (the device prefix cache would have dropped it anyway). Nothing is saved
+        where copying it out and back would cost more than recomputing it.
         """
+        if not self.cost.choose(len(pairs) * self.block_size, round_trip=True).copy:
+            self.demotions_skipped += len(pairs)
+            return 0
         src: list[int] = []
         dst: list[int] = []
         hashes: list[int] = []
@@ -175,7 +193,7 @@ class HostTier:
         return len(src)
 
     def adopt(self, data: torch.Tensor, hashes: list[int], num_tokens: int) -> ParkedKV:
-        """Take in a stream's KV from elsewhere (a snapshot): `data` is [L, 2, n, bs, H, D] with
+        """Take in a stream's KV from elsewhere (a snapshot): `data` is [n, L, 2, bs, H, D] with
         its full blocks (`hashes`) then, if num_tokens is not a block multiple, its tail.
         Blocks already on host are pinned, not written; what does not fit is recomputed."""
         parked = ParkedKV(num_tokens, block_size=self.block_size)
@@ -195,7 +213,7 @@ class HostTier:
                 self.table.touch([hb])
             parked.host_blocks.append(hb)
         tail_tokens = num_tokens % self.block_size
-        if (tail_tokens and len(parked.host_blocks) == len(hashes) and data.shape[2] > len(hashes)
+        if (tail_tokens and len(parked.host_blocks) == len(hashes) and data.shape[0] > len(hashes)
                 and self.table.num_free > 0):
             parked.tail_block = self.table.allocate(1, after=dst[-1] if dst else None)[0]
             parked.tail_tokens = tail_tokens
@@ -203,7 +221,7 @@ class HostTier:
             dst.append(parked.tail_block)
         try:
             if idx:
-                self.copier.write(dst, data.index_select(2, torch.tensor(idx, dtype=torch.long)))
+                self.copier.write(dst, data.index_select(0, torch.tensor(idx, dtype=torch.long)))
         except BaseException:
             self.release(parked)
             raise
@@ -213,16 +231,43 @@ class HostTier:
         return parked
 
     def read(self, parked: ParkedKV) -> torch.Tensor:
-        """A parked stream's saved blocks (full ones, then the tail) as one host tensor."""
+        """A parked stream's saved blocks (full ones, then the tail) as one block-major host
+        tensor [n, L, 2, bs, H, D]."""
         ids = parked.host_blocks + ([parked.tail_block] if parked.tail_block is not None else [])
         if parked.transfer is not None:
             parked.transfer.wait()
-        return self.copier.read(ids) if ids else self.kv[:, :, :0].clone()
+        return self.copier.read(ids) if ids else self.kv[:0].clone()
 
     # ---- restore ---------------------------------------------------------------------------
     def restore(self, host_ids: list[int], dev_ids: list[int]) -> None:
         """Copy host blocks into (freshly allocated) device blocks, before the forward."""
         self.copier.to_device(host_ids, dev_ids)
+
+    def calibrate(self, dev_ids: list[int]) -> None:
+        """Time copies of one block and of `dev_ids` (free device blocks) each way through
+        the real path, at start-up: the cost model's bandwidth and latency per direction.
+        The copies' figures are not counted in the tier's own."""
+        k = min(len(dev_ids), self.table.num_free, CALIBRATION_BLOCKS)
+        if k < 1:
+            return
+        dev = dev_ids[:k]
+        host = self.table.allocate(k)
+        try:
+            for direction in ("out", "in"):
+                self.copier.timed_round(direction, dev, host)  # warm-up: first calls set things up
+                one = min(self.copier.timed_round(direction, dev[:1], host[:1]) for _ in range(3))
+                if k == 1:
+                    self.cost.set_copy(direction, one / self.bytes_per_block, 0.0)
+                    continue
+                many = min(self.copier.timed_round(direction, dev, host) for _ in range(3))
+                per_byte = (many - one) / ((k - 1) * self.bytes_per_block)
+                if per_byte <= 0:  # noise: no latency to tell apart
+                    self.cost.set_copy(direction, many / (k * self.bytes_per_block), 0.0)
+                else:
+                    self.cost.set_copy(direction, per_byte, one - per_byte * self.bytes_per_block)
+        finally:
+            self.table.unallocate(host)
+            self.copier.reset_figures()
 
     def release(self, parked: ParkedKV, forget: list[int] | None = None) -> None:
         """Drop a parked stream's pins (restored, aborted or exported).

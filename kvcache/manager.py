@@ -72,6 +72,7 @@ class StreamStep:
     target: int
     resume: ParkedKV | None = None  # a parked stream coming back: its host tail is usable
     pending: int = 0  # sampled tokens past `token_ids` still on the device (async scheduling)
+    use_host: bool = True  # False: what the host holds is recomputed (cheaper than a copy)
 
 
 @dataclass
@@ -192,13 +193,17 @@ class KVCacheManager:
             out.append(blk)
         return out
 
-    def lookup_prefix(self, token_ids: list[int], limit: int, resume: ParkedKV | None = None) -> PrefixHit:
+    def lookup_prefix(self, token_ids: list[int], limit: int, resume: ParkedKV | None = None,
+                      use_host: bool = True) -> PrefixHit:
         """The longest known prefix of a new stream: device prefix hits first, then host
-        hits (by copy), then, for a resumed stream whose full blocks all came back, its
-        private partial tail. What neither tier holds is recomputed."""
+        hits (by copy; not with `use_host` False), then, for a resumed stream whose full
+        blocks all came back, its private partial tail. What neither tier holds is
+        recomputed."""
         n = min(limit, len(token_ids))
         bs = self.block_size
         host = self.host
+        if not use_host:
+            host = resume = None
         use_host = host is not None and (self.enable_prefix_caching or resume is not None)
         dev: list[int] = []
         on_host: list[int] = []
@@ -293,7 +298,7 @@ class KVCacheManager:
                 raise ValueError(f"new stream {sid!r} cannot have tokens on the device")
             if self.blocks_needed(target) > width:
                 raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
-            hit = self.lookup_prefix(st.token_ids, target - 1, st.resume)
+            hit = self.lookup_prefix(st.token_ids, target - 1, st.resume, st.use_host)
             cached = hit.device_blocks
             host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
             start = hit.num_tokens

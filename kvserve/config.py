@@ -57,6 +57,10 @@ class EngineConfig(BaseModel):
         None, ge=0, allow_inf_nan=False,
         description="host-memory KV tier size; None = a share of free RAM (capped), 0 = off",
     )
+    host_restore_policy: Literal["cost", "copy", "recompute"] = Field(
+        "cost", description="how a parked stream's KV comes back: by copy from the host tier "
+        "or recomputed, whichever the measured costs say is cheaper ('cost'), or always one way",
+    )
     max_evictions_per_request: int = Field(
         4, ge=0, description="a stream is evicted at most this often while others can be"
     )

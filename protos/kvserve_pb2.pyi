@@ -301,8 +301,31 @@ class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HostTierInfo(_message.Message):
+    __slots__ = ("restore_policy", "copy_gbps_d2h", "copy_gbps_h2d", "prefill_tokens_per_s", "restores", "writebacks_skipped")
+    class RestoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RESTORE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    COPY_GBPS_D2H_FIELD_NUMBER: _ClassVar[int]
+    COPY_GBPS_H2D_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    restore_policy: str
+    copy_gbps_d2h: float
+    copy_gbps_h2d: float
+    prefill_tokens_per_s: float
+    restores: _containers.ScalarMap[str, int]
+    writebacks_skipped: int
+    def __init__(self, restore_policy: _Optional[str] = ..., copy_gbps_d2h: _Optional[float] = ..., copy_gbps_h2d: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., restores: _Optional[_Mapping[str, int]] = ..., writebacks_skipped: _Optional[int] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +348,7 @@ class WorkerInfo(_message.Message):
     RECONCILED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     running: int
@@ -340,7 +364,8 @@ class WorkerInfo(_message.Message):
     reconciled_slots: int
     state: str
     load_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    host_tier: HostTierInfo
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url")

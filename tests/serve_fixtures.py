@@ -17,7 +17,9 @@ T = TypeVar("T")
 
 API_KEY = "test-key"
 # small and frugal: 1 torch thread per worker, a small KV pool, a short context
-ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 1024, "max_num_seqs": 16}
+# copies forced for the host tier: the tests count what comes back by copy, whatever the speed
+ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 1024, "max_num_seqs": 16,
+          "host_restore_policy": "copy"}
 
 
 def ray_started(start: Callable[[], T], tries: int = 5) -> T:

@@ -1,8 +1,9 @@
 """A worker's Prometheus metrics, exported through `ray.util.metrics` (names in docs/serving.md).
 
 Per-request metrics (counts, latencies, tokens) are recorded by a `RequestTracker` as the
-request's outputs arrive; KV and queue gauges, and the engine's cumulative KV counters
-(evictions, restores, recomputed tokens, host-copy seconds), are exported from
+request's outputs arrive; KV and queue gauges, the engine's cumulative KV counters
+(evictions, restores by decision and reason, recomputed tokens, host-copy seconds) and the
+restore cost model's measured figures (copy bandwidth, prefill rate) are exported from
 `LLMEngine.stats()` by `WorkerMetrics.poll`, which the worker calls once a second. Every
 series is tagged with the model and the worker id. Recording is local to the process
 (Ray's metrics agent collects it), so nothing here costs a Ray call.
@@ -16,6 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from kvserve.kvcache.restore_cost import DECISIONS, stat_key
 from kvserve.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,11 @@ ENGINE_COUNTERS = {
     "restored_blocks": "kvserve_kv_restored_blocks",
     "restored_bytes": "kvserve_kv_restored_bytes",
     "tokens_recomputed": "kvserve_kv_recomputed_tokens",
+    "writebacks_skipped": "kvserve_kv_writebacks_skipped",
 }
 COPY_SECONDS = {"d2h": "copy_seconds_d2h", "h2d": "copy_seconds_h2d"}
+# the restore cost model's measured figures: copy bandwidth per direction, prefill rate
+COPY_GBPS = {"d2h": "host_copy_gbps_d2h", "h2d": "host_copy_gbps_h2d"}
 # gauge name -> engine stat key
 ENGINE_GAUGES = {
     "kvserve_requests_waiting": "waiting",
@@ -130,9 +135,22 @@ class WorkerMetrics:
         self.copy_seconds = counter("kvserve_kv_host_copy_seconds",
                                     "seconds spent copying KV blocks to (d2h) and from (h2d) the "
                                     "host tier", ("direction",))
+        self.restores = counter("kvserve_kv_restores",
+                                "parked streams brought back, by decision (copy, recompute) and "
+                                "reason (cheaper_to_copy, cheaper_to_recompute, policy, not_on_host, "
+                                "unmeasured)", ("decision", "reason"))
+        self.copy_gbps = Gauge("kvserve_kv_host_copy_gbps",
+                               "measured host-tier copy bandwidth (GB/s) by direction (d2h, h2d): "
+                               "start-up figure, then a moving average of the copies",
+                               tag_keys=(*keys, "direction")).set_default_tags(tags)
+        self.prefill_rate = gauge("kvserve_prefill_tokens_per_s",
+                                  "measured prefill rate (tokens/s) the restore choice compares "
+                                  "copies with: start-up figure, then a moving average of steps")
         for c in (self.received, self.prompt_tokens, self.generation_tokens,
                   self.prefix_hit_tokens, *self.engine_counters.values()):
             zero(c)
+        for d, r in DECISIONS:
+            zero(self.restores, {"decision": d, "reason": r})
         for r in FINISH_REASONS:
             zero(self.finished, {"reason": r})
         for d in COPY_SECONDS:
@@ -160,6 +178,11 @@ class WorkerMetrics:
             self._inc(c, key, stats)
         for d, key in COPY_SECONDS.items():
             self._inc(self.copy_seconds, key, stats, {"direction": d})
+        for d, r in DECISIONS:
+            self._inc(self.restores, stat_key(d, r), stats, {"decision": d, "reason": r})
+        for d, key in COPY_GBPS.items():
+            self.copy_gbps.set(float(stats.get(key, 0.0)), tags={"direction": d})
+        self.prefill_rate.set(float(stats.get("prefill_tokens_per_s", 0.0)))
 
     def _inc(self, c: Any, key: str, stats: Mapping[str, Any], tags: dict | None = None) -> None:
         value = float(stats.get(key, 0))

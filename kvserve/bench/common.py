@@ -23,6 +23,13 @@ def add_async_arg(p: Any) -> None:
                    help="plan step N+1 while step N runs (auto: on for CUDA, off on the CPU)")
 
 
+def add_restore_policy_arg(p: Any) -> None:
+    """--restore-policy for benches with a host tier (EngineConfig.host_restore_policy)."""
+    p.add_argument("--restore-policy", choices=["cost", "copy", "recompute"], default="cost",
+                   help="host tier: restore parked KV by copy or recompute, whichever the "
+                   "measured costs favour (cost), or always one way")
+
+
 def async_value(choice: str) -> bool | None:
     return {"auto": None, "on": True, "off": False}[choice]
 

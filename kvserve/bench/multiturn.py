@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from kvserve.bench.common import write_json
+from kvserve.bench.common import add_restore_policy_arg, write_json
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    add_restore_policy_arg(p)
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_multiturn)
 
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace, host_gib: float | None, device_tokens: int) ->
     from kvserve.sampling import SamplingParams
 
     llm = LLM(model=args.model, kv_cache_tokens=device_tokens, block_size=args.block_size,
-              host_cache_gib=host_gib, num_threads=args.threads)
+              host_cache_gib=host_gib, num_threads=args.threads,
+              host_restore_policy=args.restore_policy)
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     n = args.output_len

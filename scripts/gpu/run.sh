@@ -10,6 +10,8 @@
 # pressure run and LLM.generate (scripts/gpu/profile_engine.py: torch.profiler and host
 # timers), host work per decode step (bench hoststep), and asynchronous scheduling on and
 # off (decode ms/step, LLM.generate, pressure). The default run is tests, figures, diag.
+# Host tier (step `pressure`, about 10 minutes): `bench pressure` in interleaved rounds, bf16 and
+# float32, with the restore cost model's choices and the copies' GB/s each way.
 #
 # Serving (steps wheels, servetest, serve, serve2, serve3, workers): `kvserve bench serve` side by
 # side with the engine alone on the same GPU, the `kvserve serve` GPU end-to-end test, and
@@ -80,17 +82,25 @@ moe)  # Qwen3-MoE, random weights (make_moe_models.py q3moe: 5.2B, 64 experts, t
   grep -E "^=== |^rc=|passed|failed|^== |^ +[0-9]+ |^kvserve|^transformers|^B=" "$OUT/moe.log" ;;
 tests) run tests tests 400 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -m '' -p no:cacheprovider \
   tests/workers/test_cuda_path.py tests/workers/test_cuda_graphs.py tests/workers/test_triton_attention.py tests/workers/test_triton_fused.py \
-  tests/workers/test_async_scheduling.py tests/kvcache/test_block_tables.py
+  tests/workers/test_async_scheduling.py tests/kvcache/test_block_tables.py \
+  tests/kvcache/test_host_copies.py tests/workers/test_restore_policy.py
   tail -4 "$OUT/tests.log" ;;
 figures)
   run figures anchor 120 python3 "$G/static_decode_anchor.py"
   run figures batched 200 $KV bench batched --model $M/l1b --npp 512 --ntg 128 --npl 1,64,256 --no-progress
   run figures batched2k 120 $KV bench batched --model $M/l1b --npp 2048 --ntg 128 --npl 64 --no-progress
   run figures throughput 240 $KV bench throughput --model $M/l1b --num-seqs 256 --input-len 256 --output-len 128 --max-num-seqs 256 --baseline hf --no-progress
-  run figures pressure 200 $KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --no-progress
-  run figures pressure32 200 $KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --dtype float32 --no-progress
+  run figures pressure 200 $KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --rounds 1 --no-progress
+  run figures pressure32 200 $KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --rounds 1 --dtype float32 --no-progress
   run figures hoststep 120 $KV bench hoststep --model $M/l1b --batch 64,256 --steps 30
   grep -E "^\|  |^rc=|graph .* ms/step|^kvserve|^hf_|roofline|GB/s|host_tier|unconstrained|recompute" "$OUT/figures.log" ;;
+pressure)  # the host tier at 50% of the KV need: interleaved rounds, the cost model's choices,
+  # copy GB/s each way (CUDA events), in bf16 and float32; then copies forced, for their GB/s
+  PR="$KV bench pressure --model $M/l1b --num-prompts 64 --input-len 512 --output-len 128 --baseline none --no-progress"
+  run pressure pressure 280 $PR --rounds 2
+  run pressure pressure32 280 $PR --rounds 2 --dtype float32
+  run pressure pressure_copy 150 $PR --rounds 1 --restore-policy copy
+  grep -E "^=== |^rc=|GB/s|^host tier|^(unconstrained|recompute|host_tier) |^ +rounds|^per token" "$OUT/pressure.log" ;;
 diag)
   run diag attn 150 python3 scripts/gpu/attention_kernels.py
   run diag eager 120 $KV bench batched --model $M/l1b --npp 512 --ntg 16 --npl 1,64 --enforce-eager --no-progress

@@ -37,10 +37,11 @@ DASHBOARD_PARSER = ROOT / "tests" / "helm" / "dashboard_metrics.py"
 P = "ray_kvserve_"  # Ray prefixes custom metrics with "ray_"; counters end in "_total"
 WORKER_COUNTERS = ["requests_received", "requests_finished", "prompt_tokens", "generation_tokens",
                    "prefix_cache_hit_tokens", "kv_evictions", "kv_restored_blocks",
-                   "kv_restored_bytes", "kv_recomputed_tokens", "kv_host_copy_seconds"]
+                   "kv_restored_bytes", "kv_recomputed_tokens", "kv_host_copy_seconds",
+                   "kv_restores", "kv_writebacks_skipped"]
 WORKER_GAUGES = ["requests_running", "requests_waiting", "kv_device_blocks_used",
                  "kv_device_blocks_capacity", "kv_host_blocks_used", "kv_host_blocks_capacity",
-                 "streams_running", "streams_parked"]
+                 "streams_running", "streams_parked", "kv_host_copy_gbps", "prefill_tokens_per_s"]
 WORKER_HISTOGRAMS = ["time_to_first_token_seconds", "time_per_output_token_seconds",
                      "e2e_request_latency_seconds", "queue_wait_seconds"]
 MIGRATION_COUNTERS = ["migration_streams", "migration_bytes", "migration_failures",
@@ -328,6 +329,20 @@ def test_kv_counters_show_evictions_and_restores(run):
     assert run.total(f"{P}kv_recomputed_tokens_total") >= 0
     assert run.total(f"{P}kv_host_copy_seconds_total", direction="d2h") > 0
     assert run.total(f"{P}kv_host_copy_seconds_total", direction="h2d") > 0
+    # the app's engines copy by policy (serve_fixtures.ENGINE)
+    restores = run.total(f"{P}kv_restores_total")
+    assert restores > 0 and run.total(f"{P}kv_restores_total", decision="copy", reason="policy") > 0
+    assert run.total(f"{P}kv_restores_total", reason="not_on_host") <= restores
+    # every (decision, reason) series exists from the start
+    assert len({lab for n, lab in run.after if n == f"{P}kv_restores_total"}) >= 2 * 6
+
+
+def test_cost_model_figures_are_exported(run):
+    for d in ("d2h", "h2d"):
+        values = run.now(f"{P}kv_host_copy_gbps", direction=d)
+        assert len(values) == 2 and all(v > 0 for v in values), (d, values)
+    rates = run.now(f"{P}prefill_tokens_per_s")
+    assert len(rates) == 2 and all(v > 0 for v in rates), rates
 
 
 def test_kv_and_queue_gauges_are_back_to_zero(run):

@@ -30,7 +30,7 @@ from kvserve.router.router import RouterActor
 from kvserve.sampling import SamplingParams
 
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 512, "max_num_seqs": 16,
-          "host_cache_gib": 0.2}
+          "host_cache_gib": 0.2, "host_restore_policy": "copy"}
 TINY = {"kv_cache_tokens": 256, "admission_lookahead_tokens": 0}  # 16 blocks, greedy admission
 MAX_TOKENS = 40
 

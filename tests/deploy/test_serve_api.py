@@ -5,6 +5,9 @@ The greedy-text checks (`served_checks.py`) run here on the session's CPU app an
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import grpc
 import openai
 import pytest
@@ -47,6 +50,20 @@ def test_grpc_info_methods(serve_app, stub):
     assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
     assert all(w.total_device_blocks == 256 for w in info.workers)
     assert "kv_blocks_free" in info.workers[0].stats and info.routing_policy == "affinity"
+    # the host tier's cost model: measured at each worker's start-up, every decision listed
+    for w in info.workers:
+        ht = w.host_tier
+        assert ht.restore_policy == "copy"  # serve_fixtures.ENGINE
+        assert ht.copy_gbps_d2h > 0 and ht.copy_gbps_h2d > 0 and ht.prefill_tokens_per_s > 0
+        assert "copy/cheaper_to_copy" in ht.restores and "recompute/not_on_host" in ht.restores
+        assert w.stats["host_copy_gbps_h2d"] == pytest.approx(ht.copy_gbps_h2d)
+    req = urllib.request.Request(serve_app.http_url + "/v1/server_info",
+                                 headers={"authorization": f"Bearer {serve_app.api_key}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        http = json.loads(r.read())
+    for w in http["workers"]:
+        assert w["host_tier"]["restore_policy"] == "copy" and w["host_tier"]["prefill_tokens_per_s"] > 0
+        assert set(w["host_tier"]["restores"]) == set(ht.restores)
 
 
 def test_grpc_reflection_lists_the_service(serve_app):

@@ -29,6 +29,8 @@ WORKER_METRICS = {
     "ray_kvserve_streams_running", "ray_kvserve_streams_parked",
     "ray_kvserve_kv_evictions_total", "ray_kvserve_kv_restored_blocks_total", "ray_kvserve_kv_restored_bytes_total",
     "ray_kvserve_kv_recomputed_tokens_total", "ray_kvserve_kv_host_copy_seconds_total",
+    "ray_kvserve_kv_restores_total", "ray_kvserve_kv_writebacks_skipped_total",
+    "ray_kvserve_kv_host_copy_gbps", "ray_kvserve_prefill_tokens_per_s",
 }
 INGRESS_METRICS = {"ray_kvserve_requests_rejected_total"}
 ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retries_total",

@@ -80,7 +80,7 @@ def test_200_requests_under_pressure_match_unconstrained(tiny_path, reference, b
     want = reference(prompts, max_tokens)
     # 32 concurrent streams need ~32 * 30 tokens; the device holds 128, the host 400 blocks;
     # no admission headroom, so running streams do run out and get evicted
-    llm = LLM(tiny_path, kv_cache_tokens=128, block_size=BS, host_cache_gib=400 * block_bytes / 2**30,
+    llm = LLM(tiny_path, kv_cache_tokens=128, block_size=BS, host_cache_gib=400 * block_bytes / 2**30, host_restore_policy="copy",
               max_num_seqs=32, admission_lookahead_tokens=0)
     outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
     assert [o.token_ids for o in outs] == want
@@ -97,7 +97,8 @@ def test_host_pool_too_small_recomputes_exactly_the_missing_part(tiny_path, refe
     want = reference(prompts, max_tokens)
     host_blocks = 6  # a handful of blocks: most parked streams keep only a prefix on host
     eng = LLM(tiny_path, kv_cache_tokens=96, block_size=BS, max_num_seqs=32,
-              host_cache_gib=host_blocks * block_bytes / 2**30, admission_lookahead_tokens=0).engine
+              host_cache_gib=host_blocks * block_bytes / 2**30, admission_lookahead_tokens=0,
+              host_restore_policy="copy").engine
     host = eng.kv.host
     assert host is not None and host.num_blocks == host_blocks
     ids = [eng.add_request(p, greedy(m)) for p, m in zip(prompts, max_tokens, strict=True)]
@@ -157,7 +158,8 @@ class HostTierMachine(RuleBasedStateMachine):
     def start(self, dev_blocks: int, host_blocks: int) -> None:
         gib = host_blocks * self.block_bytes / 2**30
         self.llm = LLM(self.path, kv_cache_tokens=dev_blocks * BS, block_size=BS, max_num_seqs=6,
-                       host_cache_gib=gib, admission_lookahead_tokens=BS)
+                       host_cache_gib=gib, admission_lookahead_tokens=BS,
+                       host_restore_policy="copy")
         self.eng = self.llm.engine
         self.live: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, max_tokens)
         self.done: dict[str, tuple[int, int, list[int]]] = {}

@@ -78,7 +78,8 @@ def test_greedy_matches_transformers(built: _Built, arch: str, fmt: str) -> None
     want = built.reference(arch)
     # 20 blocks for 8 streams of up to 49 tokens: streams are parked to host and come back
     llm = LLM(hf_dir if fmt == "hf" else gguf_path, kv_cache_tokens=20 * BS, block_size=BS,
-              host_cache_gib=0.001, enable_prefix_caching=True, max_num_batched_tokens=32,
+              host_cache_gib=0.001, host_restore_policy="copy", enable_prefix_caching=True,
+              max_num_batched_tokens=32,
               admission_lookahead_tokens=0, dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == want

@@ -50,6 +50,8 @@ def assert_clean(eng: LLMEngine) -> None:
 
 
 def engine(path: str, tokens: int, host_gib: float, **kw) -> LLMEngine:
+    # copies forced: these tests check what comes back by copy, whatever this machine's speed
+    kw.setdefault("host_restore_policy", "copy")
     return LLM(path, kv_cache_tokens=tokens, block_size=BS, host_cache_gib=host_gib, **kw).engine
 
 

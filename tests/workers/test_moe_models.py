@@ -72,8 +72,9 @@ def built(tmp_path_factory) -> _Built:
 
 def _llm(path: str, **kw) -> LLM:
     # 20 blocks for 8 streams of up to 49 tokens: streams are parked to host and come back
+    # copies forced: the tests check what comes back by copy, whatever this machine's speed
     return LLM(path, kv_cache_tokens=20 * BS, block_size=BS, host_cache_gib=0.001,
-               enable_prefix_caching=True, max_num_batched_tokens=32,
+               host_restore_policy="copy", enable_prefix_caching=True, max_num_batched_tokens=32,
                admission_lookahead_tokens=0, dtype="float32", **kw)
 
 
@@ -253,9 +254,9 @@ def test_snapshot_moves_an_moe_stream(built: _Built, tmp_path) -> None:
 
     hf_dir, gguf_path = built.paths_of("mixtral")
     src = LLM(hf_dir, kv_cache_tokens=64 * BS, block_size=BS, host_cache_gib=0.001,
-              dtype="float32").engine
+              dtype="float32", host_restore_policy="copy").engine
     dst = LLM(gguf_path, kv_cache_tokens=64 * BS, block_size=BS, host_cache_gib=0.001,
-              dtype="float32").engine
+              dtype="float32", host_restore_policy="copy").engine
     src.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), "r")
     while not src.seqs["r"].output_ids:  # prefill, then one token
         src.step()

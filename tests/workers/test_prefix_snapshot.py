@@ -36,14 +36,16 @@ def test_prefix_moves_to_another_host_tier(tiny):
 
     rng = random.Random(7)
     turn1 = [rng.randrange(100, 40000) for _ in range(60)]
-    src = LLM(tiny, kv_cache_tokens=48 * BS, block_size=BS, host_cache_gib=0.001).engine
+    src = LLM(tiny, kv_cache_tokens=48 * BS, block_size=BS, host_cache_gib=0.001,
+              host_restore_policy="copy").engine
     out1 = _run(src, turn1, 6)
     for _ in range(3):  # other traffic pushes the first turn's blocks from device to host
         _run(src, [rng.randrange(100, 40000) for _ in range(150)], 2)
     hashes = hash_full_blocks(turn1, BS)
     data = export_prefix(src, hashes + [12345])  # the leading run the host tier holds
     assert data and len(msgpack.unpackb(data, raw=False)["hashes"]) == len(hashes)
-    dst = LLM(tiny, kv_cache_tokens=48 * BS, block_size=BS, host_cache_gib=0.001).engine
+    dst = LLM(tiny, kv_cache_tokens=48 * BS, block_size=BS, host_cache_gib=0.001,
+              host_restore_policy="copy").engine
     assert import_prefix(dst, data) == len(hashes)
     assert set(hashes) <= set(dst.held_block_hashes()["host"])
     turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(10)]

@@ -21,6 +21,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.errors import InvalidRequestError, OutOfKVCacheError
 from kvserve.kvcache.manager import StepPlan
+from kvserve.kvcache.restore_cost import DECISIONS, RestoreCost, stat_key
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
@@ -76,6 +77,8 @@ class LLMEngine:
         self.tokens_restored_device = 0  # still in the device prefix cache on restore
         self.tokens_recomputed = 0  # computed before eviction, computed again after
         self.host_prefix_hit_tokens = 0  # new requests' prompt tokens served from host
+        # how parked streams came back: by copy or recomputed, and why (restore_cost.DECISIONS)
+        self.restore_decisions = {stat_key(d, r): 0 for d, r in DECISIONS}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -340,9 +343,17 @@ class LLMEngine:
             self.host_prefix_hit_tokens += host_tokens
             return
         self.restores += 1
+        recomputed = max(0, parked.num_tokens - start)
         self.tokens_restored_copy += host_tokens
         self.tokens_restored_device += min(start, parked.num_tokens) - host_tokens
-        self.tokens_recomputed += max(0, parked.num_tokens - start)
+        self.tokens_recomputed += recomputed
+        choice, s.restore_choice = s.restore_choice, None
+        if host_tokens:
+            assert choice is not None and choice.copy
+            self.restore_decisions[stat_key("copy", choice.reason)] += 1
+        elif recomputed:  # (a stream whose KV all stayed on the device needed no choice)
+            reason = choice.reason if choice is not None and not choice.copy else "not_on_host"
+            self.restore_decisions[stat_key("recompute", reason)] += 1
         self.scheduler.release_parked(s)  # the copies ran: its host blocks are unpinned
 
     # ---- parked-stream snapshots ---------------------------------------------------------
@@ -406,6 +417,15 @@ class LLMEngine:
             "restored_bytes": host.copier.blocks["in"] * bpb if host else 0,
             "copy_seconds_d2h": host.copier.seconds["out"] if host else 0.0,
             "copy_seconds_h2d": host.copier.seconds["in"] if host else 0.0,
+            # the restore cost model: measured copy bandwidth and latency, prefill rate
+            **(host.cost if host else RestoreCost(1.0)).figures(),
+            "restores_copy": sum(v for k, v in self.restore_decisions.items()
+                                 if k.startswith("restores_copy_")),
+            "restores_recompute": sum(v for k, v in self.restore_decisions.items()
+                                      if k.startswith("restores_recompute_")),
+            **self.restore_decisions,
+            "writebacks_skipped": self.scheduler.writebacks_skipped,
+            "demotions_skipped": host.demotions_skipped if host else 0,
             **self.grammars.stats(),
         }
 

@@ -3,8 +3,8 @@
 When a session moves to another worker (its worker is drained), the blocks of its last
 prompt that the old worker's host tier still caches go with it, so the next turn on the new
 worker is a prefix hit served by copy. The record holds the leading run of those blocks'
-hashes and their KV, in the host tier's block layout; the target adopts them as cached
-(unpinned) blocks, which its LRU may evict like any other.
+hashes and their KV, in the host tier's block-major layout ([blocks, L, 2, bs, H, D]); the
+target adopts them as cached (unpinned) blocks, which its LRU may evict like any other.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.workers.engine.engine import LLMEngine
 from kvserve.workers.engine.snapshot import _DTYPES, model_geometry
 
-VERSION = 1
+VERSION = 2  # 2: block-major KV
 
 
 def export_prefix(engine: LLMEngine, hashes: list[int]) -> bytes:

@@ -17,6 +17,11 @@ prefix cache) and the lost part is recomputed. Parked streams come back before
 any new request, FIFO by park time, as soon as they fit with headroom: device
 prefix hits first, then host hits by copy, then recompute for the rest.
 
+Copies happen only where they are cheaper than recomputing (`kvcache/restore_cost.py`): an
+eviction writes back only when copying the stream out and in costs less than recomputing it,
+and an admission uses the host's blocks only when copying them in costs less; otherwise
+they are recomputed (the choice and its reason go with the stream, `Sequence.restore_choice`).
+
 Under asynchronous scheduling a running stream may have one sampled token still on the
 device (`Sequence.inflight_row`): it is planned one token further, with that token as its
 input. A stream that will certainly finish with that token (its length limit) is not
@@ -33,7 +38,7 @@ from collections.abc import Callable
 
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.kvcache.host_cache import ParkedKV
-from kvserve.kvcache.manager import KVCacheFull, KVCacheManager, StepPlan, StreamStep
+from kvserve.kvcache.manager import KVCacheFull, KVCacheManager, PrefixHit, StepPlan, StreamStep
 from kvserve.workers.engine.sequence import Sequence, Status
 
 PreemptionPolicy = Callable[[list[Sequence], KVCacheManager], Sequence]
@@ -69,6 +74,7 @@ class Scheduler:
         self.max_evictions = max_evictions_per_request
         self.num_preemptions = 0
         self.evictions_over_cap = 0
+        self.writebacks_skipped = 0  # evictions not written back: recomputing is cheaper
         # about the last schedule(): the rows whose step reaches their last known token and
         # so sample (None: all of them), and where its admitted streams start in its list
         self.sampled: list[int] | None = None
@@ -239,7 +245,7 @@ class Scheduler:
             if s.request_id in kv.held or s.inflight_row >= 0:
                 break  # its write-back, or its last token, is still in flight
             ids = s.all_ids
-            hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv)
+            hit, use_host = self._prefix(s, ids)
             cached = hit.num_tokens
             # restored tokens are copied, not computed: only the rest counts against the budget
             n = min(len(ids) - cached, budget)
@@ -252,12 +258,27 @@ class Scheduler:
             s.status = Status.RUNNING
             self.running.append(s)
             admitted.append(s)
-            steps.append(StreamStep(s.request_id, ids, cached + n, s.parked_kv))
+            steps.append(StreamStep(s.request_id, ids, cached + n, s.parked_kv, use_host=use_host))
             seqs.append(s)
             budget -= n
             free -= need
             headroom += min(self.lookahead_blocks, max(0, kv.blocks_needed(s.max_len) - need))
         return steps, seqs, admitted
+
+    def _prefix(self, s: Sequence, ids: list[int]) -> tuple[PrefixHit, bool]:
+        """An admission's known prefix, and whether it takes the host's part by copy: only
+        where copying it in is cheaper than recomputing it. A parked stream keeps the choice."""
+        kv = self.kv
+        hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv)
+        choice = None
+        host_tokens = hit.num_tokens - len(hit.device_blocks) * kv.block_size
+        if host_tokens > 0 and kv.host is not None:
+            choice = kv.host.cost.choose(host_tokens)
+            if not choice.copy:
+                hit = kv.lookup_prefix(ids, len(ids) - 1, None, use_host=False)
+        if s.parked_kv is not None:
+            s.restore_choice = choice or s.parked_kv.choice
+        return hit, choice is None or choice.copy
 
     def _preempt(self) -> bool:
         """Evict a running stream chosen by the policy and park it.
@@ -287,7 +308,11 @@ class Scheduler:
         parked = ParkedKV(n, block_size=kv.block_size)
         # a stream whose window released its first blocks has no whole chain to save: it is
         # recomputed when it resumes
+        choice = None
         if kv.host is not None and n > 0 and kv.stream(rid).num_dropped == 0:
+            # written back only if copying it out and in beats recomputing it
+            choice = kv.host.cost.choose(n, round_trip=True)
+        if choice is not None and choice.copy:
             state = kv.stream(rid)
             hashes = state.block_hashes
             if len(hashes) != n // kv.block_size:  # prefix caching off: hash here
@@ -303,6 +328,9 @@ class Scheduler:
                 kv.release_held(rid)
         else:
             kv.free(rid)
+            if choice is not None:
+                parked.choice = choice
+                self.writebacks_skipped += 1
         seq.parked_kv = parked
         seq.num_evictions += 1
         seq.status = Status.WAITING

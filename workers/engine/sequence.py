@@ -10,6 +10,7 @@ import torch
 
 from kvserve.kvcache.host_cache import ParkedKV
 from kvserve.kvcache.manager import StreamStep
+from kvserve.kvcache.restore_cost import Choice
 from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -105,6 +106,8 @@ class Sequence:
         self.priority = priority
         # set while the stream is evicted (parked) and until its first step back has run
         self.parked_kv: ParkedKV | None = None
+        # how a parked stream comes back (by copy or recomputed, and why), set on admission
+        self.restore_choice: Choice | None = None
         self.num_evictions = 0
 
     def set_output_ids(self, ids: list[int]) -> None:

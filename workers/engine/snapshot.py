@@ -2,7 +2,8 @@
 
 A snapshot carries the request (prompt and generated tokens, sampling parameters,
 the request's RNG state, streamed text so far) and the KV the host tier saved for
-it: its full blocks then its partial tail, as raw bytes in the pool's block layout.
+it: its full blocks then its partial tail, as raw bytes in the host tier's block-major
+layout ([blocks, L, 2, bs, H, D]).
 The importing engine must run the same model geometry; with a different block size
 or no host tier it drops the KV and recomputes it (the output is the same).
 """
@@ -23,7 +24,7 @@ from kvserve.workers.engine.sequence import Sequence, Status
 if TYPE_CHECKING:
     from kvserve.workers.engine.engine import LLMEngine
 
-VERSION = 1
+VERSION = 2  # 2: block-major KV
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -13,6 +13,7 @@ sampled ids (`DeviceTokens`), and the engine commits the plan once it knows them
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +35,12 @@ if TYPE_CHECKING:  # needs triton: imported only where graphs are used
     from kvserve.workers.model.cuda_graphs import StepGraphs
 
 log = logging.getLogger(__name__)
+
+# the restore cost model's prefill rate: tokens of the timed chunk at start-up, enough to
+# fill the device (a GPU runs a small chunk in about the time of one token); real steps
+# with at least half as many tokens beyond one per stream keep it current (smaller steps
+# are mostly fixed cost, decode-only steps another cost per token altogether)
+CALIBRATION_TOKENS = {"cpu": 128, "cuda": 512}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -133,10 +140,53 @@ class ModelRunner:
         host_bytes = (default_host_bytes() if config.host_cache_gib is None
                       else int(config.host_cache_gib * 2**30))
         n_host = host_bytes // self.cache.bytes_per_block
+        # CUDA: steps timed for the prefill rate, by events read once they have fired
+        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._calibration_tokens = min(CALIBRATION_TOKENS.get(self.device.type, 128),
+                                       config.max_num_batched_tokens,
+                                       self.max_model_len - 1, config.num_blocks * config.block_size)
+        self._sample_tokens = max(1, self._calibration_tokens // 2)
         if n_host >= 1:
-            self.host = HostTier(self.cache.kv, n_host, config.block_size)
+            self.host = HostTier(self.cache.kv, n_host, config.block_size, config.host_restore_policy)
             self.kv.attach_host(self.host)
             log.info("host KV tier: %d blocks (%.2f GiB)", n_host, n_host * self.cache.bytes_per_block / 2**30)
+            self.calibrate()
+
+    def calibrate(self) -> None:
+        """Measure what the restore cost model compares: copy bandwidth and latency each way
+        (a few blocks through the real copy path) and the prefill rate (a timed prefill chunk
+        after a short warm-up one). Runs at start-up, before any stream; leaves the caches
+        as it found them."""
+        host = self.host
+        if host is None:
+            return
+        kv = self.kv
+        host.calibrate(list(range(kv.num_blocks)))
+        n = self._calibration_tokens
+        if n < 1:
+            return
+        vocab = self.model_config.vocab_size
+        ids = [(7 * i + 1) % vocab for i in range(n)]
+        seconds = 0.0
+        for tokens in (min(16, n), n):
+            sid = "kvserve-calibration"
+            self._sync()
+            t0 = time.perf_counter()
+            self.execute([StreamStep(sid, ids[:tokens], tokens)])
+            self._sync()
+            seconds = time.perf_counter() - t0
+            kv.free(sid)
+        host.cost.set_prefill(n, seconds)
+        self._step_events.clear()
+        kv.reset_prefix_cache()
+        kv.pool.reset_order()
+        kv.prefix_queries = kv.prefix_hits = 0
+        log.info("restore cost model: copies %.2f GB/s out, %.2f GB/s in; prefill %.0f tokens/s",
+                 host.cost.gbps("out"), host.cost.gbps("in"), host.cost.prefill_tokens_per_s)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def execute(self, steps: list[StreamStep]) -> tuple[StepPlan, torch.Tensor]:
         """Run one step; returns the plan and one row of logits per stream ([B, vocab]).
@@ -157,16 +207,47 @@ class ModelRunner:
         rolled back. The caller commits it (`kv.commit`) once its tokens are known."""
         try:
             self._move_blocks(plan)
-            return self._forward(plan, prev)
+            if self.host is None or plan.num_tokens - len(plan.streams) < self._sample_tokens:
+                return self._forward(plan, prev)
+            return self._timed_forward(plan, prev)
         except BaseException:
             self.kv.rollback(plan)
             raise
+
+    def _timed_forward(self, plan: StepPlan, prev: DeviceTokens | None) -> torch.Tensor:
+        """A step with prompt tokens, timed into the cost model's prefill rate (on CUDA by
+        events on the compute stream, read in a later step once they have fired)."""
+        host = self.host
+        assert host is not None
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            logits = self._forward(plan, prev)
+            host.cost.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
+            return logits
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = self._forward(plan, prev)
+        end.record()
+        self._step_events.append((start, end, plan.num_tokens))
+        return logits
+
+    def _fold_timings(self) -> None:
+        """Fold fired CUDA events (steps, copies) into the cost model; never waits."""
+        host = self.host
+        assert host is not None
+        while self._step_events and self._step_events[0][1].query():
+            start, end, tokens = self._step_events.pop(0)
+            host.cost.observe_prefill(tokens, start.elapsed_time(end) / 1e3)
+        if host.copier.pending_timings:
+            host.copier.settle()
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies a step needs before its forward: first save cached blocks the
         step reuses (demotion), then copy restored blocks in (they may land in those)."""
         if self.host is None:
             return
+        if self.device.type == "cuda":
+            self._fold_timings()
         if plan.demoted:
             self.host.demote(plan.demoted)
             plan.demoted = []
