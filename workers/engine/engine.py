@@ -30,6 +30,7 @@ from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
 from kvserve.workers.loading.loader import load_model
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
+from kvserve.workers.model.parallel.ranks import ShardRanks
 from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
 from kvserve.workers.structured.grammars import Grammars
 
@@ -46,9 +47,8 @@ class LLMEngine:
         if progress is not None:
             progress("loading")
         self.tokenizer: Tokenizer = load_tokenizer(path)
-        loaded = load_model(path, dtype=DTYPES[config.resolved_dtype()])
-        self.runner = ModelRunner(loaded, config, progress)
-        self.model_config = loaded.config
+        self.runner = _start_runner(path, config, progress)
+        self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.kv = self.runner.kv
         self.scheduler = Scheduler(
@@ -418,6 +418,28 @@ class LLMEngine:
         host = self.kv.host
         return {"device": _snapshot_keys(self.kv.pool.cached),
                 "host": _snapshot_keys(host.table.cached) if host is not None else []}
+
+
+    def close(self) -> None:
+        """Release what outlives the engine object: a tensor-parallel engine's other ranks
+        (their processes end here)."""
+        self.runner.close()
+
+
+def _start_runner(path: str, config: EngineConfig, progress: Progress | None) -> ModelRunner:
+    """The model runner; a tensor-parallel one's other ranks start first and load their
+    shards while rank 0 loads its own."""
+    dtype = DTYPES[config.resolved_dtype()]
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(load_model(path, dtype=dtype), config, progress)
+    ranks = ShardRanks(path, config)
+    try:
+        loaded = load_model(path, dtype=dtype, shard=ranks.shard(0))
+        ranks.wait_ready()
+        return ModelRunner(loaded, config, progress, ranks)
+    except BaseException:
+        ranks.close()
+        raise
 
 
 class _Column(collections.abc.Sequence):

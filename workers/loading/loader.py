@@ -16,6 +16,7 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.quant_format import QuantizedWeight
+from kvserve.workers.loading.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,15 @@ class LoadedModel:
     # Raw ggml blocks of 2-D weights in a type the CPU kernel reads (GGUF float32
     # loads only), by the same HF names and row order as `weights`.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # a tensor-parallel rank's load: `weights` hold only its part of each tensor
+    shard: Shard | None = None
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a GGUF file or an HF model directory; every failure is a ModelLoadError."""
+def load_model(path: str, dtype: torch.dtype = torch.float32,
+               shard: Shard | None = None) -> LoadedModel:
+    """Load a GGUF file or an HF model directory; every failure is a ModelLoadError.
+    With `shard`, only that tensor-parallel rank's part of each weight is read
+    (`sharding.py`); a model the ranks cannot split is a ModelLoadError naming the numbers."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
     path = os.path.expanduser(os.fspath(path))
@@ -44,13 +50,13 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             raise ModelLoadError(f"{path}: directory has no config.json; expected {EXPECTED_INPUT}")
         from kvserve.workers.loading.hf_loader import load_hf_dir
 
-        return load_hf_dir(path, dtype)
+        return load_hf_dir(path, dtype, shard)
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory; expected {EXPECTED_INPUT}")
     if path.lower().endswith(".gguf") or _has_gguf_magic(path):
         from kvserve.workers.loading.gguf_loader import load_gguf
 
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, shard)
     raise ModelLoadError(
         f"{path}: not a GGUF file (no .gguf suffix, no GGUF magic bytes); expected {EXPECTED_INPUT}"
     )
