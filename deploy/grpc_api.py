@@ -286,7 +286,8 @@ class GrpcFrontend:
                 held_device_blocks=w["held_device_blocks"], held_host_blocks=w["held_host_blocks"],
                 restarts=w["restarts"], stats=w["stats"], inflight=w["inflight"],
                 reconciled_slots=w["reconciled_slots"], state=w["state"],
-                load_seconds=w["load_s"],
+                load_seconds=w["load_s"], tensor_parallel_size=w["tensor_parallel_size"],
+                devices=w["devices"],
             )
             for w in info["workers"]
         ]

@@ -302,7 +302,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "tensor_parallel_size", "devices")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,8 @@ class WorkerInfo(_message.Message):
     RECONCILED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     running: int
@@ -340,7 +342,9 @@ class WorkerInfo(_message.Message):
     reconciled_slots: int
     state: str
     load_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    tensor_parallel_size: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url")

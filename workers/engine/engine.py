@@ -373,7 +373,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float | int]:
         elapsed = max(1e-9, time.monotonic() - self._t0)
         host = self.kv.host
-        bpb = self.runner.cache.bytes_per_block
+        bpb = self.runner.bytes_per_block  # over every rank of a tensor-parallel engine
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -407,6 +407,7 @@ class LLMEngine:
             "copy_seconds_d2h": host.copier.seconds["out"] if host else 0.0,
             "copy_seconds_h2d": host.copier.seconds["in"] if host else 0.0,
             **self.grammars.stats(),
+            **self.runner.parallel_stats(),
         }
 
     def held_block_hashes(self) -> dict[str, list[int]]:
@@ -419,6 +420,11 @@ class LLMEngine:
         return {"device": _snapshot_keys(self.kv.pool.cached),
                 "host": _snapshot_keys(host.table.cached) if host is not None else []}
 
+
+    def shard_pids(self) -> list[int]:
+        """The processes of a tensor-parallel engine's ranks 1..N-1 ([] on one device)."""
+        ranks = self.runner.ranks
+        return ranks.pids if ranks is not None else []
 
     def close(self) -> None:
         """Release what outlives the engine object: a tensor-parallel engine's other ranks

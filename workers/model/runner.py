@@ -156,6 +156,15 @@ class ModelRunner(StepForward):
     def free(self, stream_id: str) -> None:
         self.kv.free(stream_id)
 
+    def parallel_stats(self) -> dict[str, float | int]:
+        """A tensor-parallel engine's size and rank 0's time in collectives (CPU: wall time;
+        on CUDA the collectives run inside the forward and are not timed); {} otherwise."""
+        if self.ranks is None:
+            return {}
+        g = self.ranks.group
+        return {"tensor_parallel_size": self.ranks.size, "tp_collectives": g.calls,
+                "tp_collective_seconds": g.seconds, "tp_collective_bytes": g.bytes}
+
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (no process is left behind)."""
         if self.ranks is not None:
