@@ -28,7 +28,8 @@ from kvserve.workers.engine import constraints
 from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
-from kvserve.workers.loading.loader import load_model
+from kvserve.workers.loading.loader import load_model, read_model_config
+from kvserve.workers.loading.sharding import check_tensor_parallel
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
 from kvserve.workers.model.parallel.ranks import ShardRanks
 from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
@@ -438,6 +439,8 @@ def _start_runner(path: str, config: EngineConfig, progress: Progress | None) ->
     dtype = DTYPES[config.resolved_dtype()]
     if config.tensor_parallel_size == 1:
         return ModelRunner(load_model(path, dtype=dtype), config, progress)
+    # a size the model cannot split is refused before any rank starts
+    check_tensor_parallel(read_model_config(path), config.tensor_parallel_size, path)
     ranks = ShardRanks(path, config)
     try:
         loaded = load_model(path, dtype=dtype, shard=ranks.shard(0))

@@ -128,14 +128,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, shard: Shard | None
     """The model's weights, or with `shard` only that rank's part of each (read from the
     memory map slice by slice: the whole model is never in memory)."""
     reader = _open(path)
-    arch = _field(reader, path, "general.architecture", str)
-    if arch not in _ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r} (general.architecture); "
-            f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    tensors = {t.name: t for t in reader.tensors}
-    config = _config_from_metadata(reader, path, arch, tensors)
+    arch, tensors, config = _read_config(reader, path)
     layout = ShardLayout(config, shard, path) if shard is not None else None
 
     expected = expected_weight_shapes(config)
@@ -174,6 +167,22 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, shard: Shard | None
                 raw = np.ascontiguousarray(_unpermute_qk(raw, n_heads))
             quantized[hf_name] = QuantizedWeight(qtype, torch.from_numpy(raw), array.shape)
     return LoadedModel(config=config, weights=weights, path=path, quantized=quantized, shard=shard)
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+    """The model's configuration alone (its metadata; no tensor is read)."""
+    return _read_config(_open(path), path)[2]
+
+
+def _read_config(reader: GGUFReader, path: str) -> tuple[str, dict[str, Any], ModelConfig]:
+    arch = _field(reader, path, "general.architecture", str)
+    if arch not in _ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (general.architecture); "
+            f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    return arch, tensors, _config_from_metadata(reader, path, arch, tensors)
 
 
 def _read_tensor(tensor: Any, path: str, split: Split | None,

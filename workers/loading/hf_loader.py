@@ -56,9 +56,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
                 shard: Shard | None = None) -> LoadedModel:
     """The model's weights, or with `shard` only that rank's part of each (safetensors
     slices: the whole model is never in memory)."""
-    config_path = os.path.join(path, "config.json")
-    raw = _read_json(config_path)
-    config = config_from_hf(raw, config_path, _read_generation_config(path))
+    config = read_hf_config(path)
     layout = ShardLayout(config, shard, path) if shard is not None else None
 
     expected = expected_weight_shapes(config)
@@ -88,6 +86,12 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
 
         weights = {name: read(name).to(dtype) for name in expected}
     return LoadedModel(config=config, weights=weights, path=path, shard=shard)
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """The model's configuration alone (config.json, generation_config.json)."""
+    config_path = os.path.join(path, "config.json")
+    return config_from_hf(_read_json(config_path), config_path, _read_generation_config(path))
 
 
 def _ignorable(key: str, config: ModelConfig) -> bool:

@@ -68,14 +68,14 @@ class ShardRanks:
         try:
             for rank in range(1, self.size):
                 self._spawn(rank, path, config, env)
-            self.group = self._join()
         except BaseException:
             self.close()
             raise
+        # rank 0 joins in the background: the caller loads its shard meanwhile
+        self._joined: list[Any] = []
+        self._join_thread = threading.Thread(target=self._join, name="kvserve-tp-join", daemon=True)
+        self._join_thread.start()
         self._watcher: threading.Thread | None = None
-        if self.devices[0].startswith("cuda"):
-            self._watcher = threading.Thread(target=self._watch, name="kvserve-tp-watch", daemon=True)
-            self._watcher.start()
 
     @property
     def pids(self) -> list[int]:
@@ -100,31 +100,33 @@ class ShardRanks:
                    "port": self._store.port, "device": self.devices[rank],
                    "timeout_s": COLLECTIVE_TIMEOUT_S})
 
-    def _join(self) -> ParallelGroup:
-        """Rank 0 in the group, once every rank has connected (watching that none died)."""
-        out: list[Any] = []
-        device = torch.device(self.devices[0])
-
-        def join() -> None:
-            try:
-                out.append(ParallelGroup.join(self._store, 0, self.size, device, COLLECTIVE_TIMEOUT_S))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                out.append(e)
-
-        t = threading.Thread(target=join, name="kvserve-tp-join", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.2)
-            self._check_started()
-        if isinstance(out[0], BaseException):
-            raise EngineDeadError(f"tensor-parallel ranks did not connect: {out[0]}") from out[0]
-        return out[0]
+    def _join(self) -> None:
+        try:
+            device = torch.device(self.devices[0])
+            self._joined.append(ParallelGroup.join(self._store, 0, self.size, device,
+                                                   COLLECTIVE_TIMEOUT_S))
+        except BaseException as e:  # handed to wait_ready
+            self._joined.append(e)
 
     def wait_ready(self) -> None:
-        """Until every rank has loaded its shard; its failure is raised here (a model the
-        ranks cannot split: the ModelLoadError rank 1 met)."""
-        for rank in range(1, self.size):
-            self._reply(rank, "ready")
+        """Until every rank has joined the group and loaded its shard (watching that none
+        died meanwhile); a rank's failure is raised here (a ModelLoadError as such)."""
+        try:
+            while self._join_thread.is_alive():
+                self._join_thread.join(0.2)
+                self._check_started()
+            joined = self._joined[0]
+            if isinstance(joined, BaseException):
+                raise self.fail(f"the ranks did not connect: {joined}") from joined
+            self.group: ParallelGroup = joined
+            for rank in range(1, self.size):
+                self._reply(rank, "ready")
+        except BaseException:
+            self.close()
+            raise
+        if self.devices[0].startswith("cuda"):
+            self._watcher = threading.Thread(target=self._watch, name="kvserve-tp-watch", daemon=True)
+            self._watcher.start()
 
     def track_tables(self, tables: BlockTables) -> TableMirror:
         """Send `tables`' changes with every step; returns rank 0's own mirror of them."""

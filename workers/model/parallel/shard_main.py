@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     try:
         serve(conn, conn.recv())
     except (EOFError, ConnectionError):
-        return 0  # rank 0 is gone: nothing left to serve
+        pass  # rank 0 is gone: nothing left to serve
     except BaseException as e:
         traceback.print_exc()  # into the worker's log, beside rank 0's
         try:
@@ -70,4 +70,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (seconds with torch and a process group)
