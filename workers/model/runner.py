@@ -23,6 +23,7 @@ from kvserve.errors import EngineDeadError
 from kvserve.kvcache.host_cache import HostTier, default_host_bytes
 from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.loading.loader import LoadedModel
+from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.sharding import ShardLayout
 from kvserve.workers.model.forward import DTYPES, DeviceTokens, Progress, StepForward
 from kvserve.workers.model.layers.parallel import TensorParallel
@@ -35,6 +36,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DTYPES", "DeviceTokens", "ModelRunner", "Progress"]
+
+
+def table_geometry(cfg: ModelConfig, config: EngineConfig) -> tuple[int | None, int]:
+    """(the window after which a stream's blocks are released, or None; the block-table
+    width: the most blocks a stream holds ids for)."""
+    # every layer windowed (Mistral, Phi-3 with sliding_window): blocks no window reaches
+    # are released; with global layers among them (Gemma) every block stays
+    window = cfg.sliding_window if cfg.sliding_window is not None and cfg.all_sliding else None
+    # a windowed stream is not capped by the pool (its table keeps released ids)
+    max_tokens = config.max_model_len or cfg.max_position_embeddings
+    if window is None:
+        max_tokens = min(max_tokens, config.num_blocks * config.block_size)
+    return window, -(-max_tokens // config.block_size)
 
 
 class ModelRunner(StepForward):
@@ -64,16 +78,10 @@ class ModelRunner(StepForward):
         )
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
-        # every layer windowed (Mistral, Phi-3 with sliding_window): blocks no window reaches
-        # are released; with global layers among them (Gemma) every block stays
-        window = cfg.sliding_window if cfg.sliding_window is not None and cfg.all_sliding else None
-        # a windowed stream is not capped by the pool (its table keeps released ids)
-        max_tokens = self.max_model_len
-        if window is None:
-            max_tokens = min(max_tokens, config.num_blocks * config.block_size)
+        window, width = table_geometry(cfg, config)
         # a row of the persistent block tables per running stream, as wide as a stream can grow
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window, max_blocks_per_stream=-(-max_tokens // config.block_size),
+                                 window, max_blocks_per_stream=width,
                                  slots=config.max_num_seqs, pin_tables=on_cuda)
         # a tensor-parallel rank 0 sends the tables' changes to the others with each step
         tables = self.kv.tables if ranks is None else ranks.track_tables(self.kv.tables)

@@ -16,6 +16,7 @@ from kvserve.workers.model.models.registry import build_model
 from kvserve.workers.model.parallel.group import ParallelGroup
 from kvserve.workers.model.parallel.messages import Packed, StepMessage, pack, unpack
 from kvserve.workers.model.parallel.tables import TableMirror, TableRows
+from kvserve.workers.model.runner import table_geometry
 
 
 class ShardExecutor(StepForward):
@@ -32,8 +33,10 @@ class ShardExecutor(StepForward):
                                  quantized_decode=config.quantized_decode,
                                  tp=TensorParallel(layout, group))
         del loaded
-        # as wide as rank 0's tables; they arrive with the first step
-        self.mirror = TableMirror(torch.zeros((1, 1), dtype=torch.int32).numpy())
+        # rank 0's tables' shape (its device copy and CUDA graphs are sized by it); their
+        # content arrives with the first step
+        _, width = table_geometry(cfg, config)
+        self.mirror = TableMirror(torch.zeros((config.max_num_seqs, width), dtype=torch.int32).numpy())
         self.setup_device(cfg, config, self.mirror, layout.num_kv_heads)
         self.copier: BlockCopier | None = None
 
