@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.config import EngineConfig
 from kvserve.router.config import RouterConfig
@@ -29,8 +29,11 @@ class ServeConfig(BaseModel):
                           "the Hub repository id",
     )
     num_workers: int = Field(1, ge=1, description="worker actors, one engine each")
-    num_gpus_per_worker: float = Field(0, ge=0, description="0 on CPU")
+    num_gpus_per_worker: float = Field(
+        0, ge=0, description="0 on CPU; a tensor-parallel worker's GPUs: one per rank")
     num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="devices each worker spans (one rank per device, on one node)")
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
@@ -107,6 +110,22 @@ class ServeConfig(BaseModel):
         EngineConfig(**{k: x for k, x in v.items() if k != "model"})  # fail early on a typo
         return v
 
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> ServeConfig:
+        tp = self.tensor_parallel_size
+        in_engine = self.engine.get("tensor_parallel_size")
+        if in_engine is not None and in_engine != tp:
+            raise ValueError(f"engine.tensor_parallel_size {in_engine} differs from "
+                             f"tensor_parallel_size {tp}; set it once")
+        gpus = self.num_gpus_per_worker
+        if tp > 1 and gpus > 0 and gpus != tp:
+            raise ValueError(f"a worker with tensor_parallel_size {tp} runs one rank per GPU: "
+                             f"num_gpus_per_worker (--gpus-per-worker) must be {tp}, got {gpus:g}")
+        if tp > 1 and gpus == 0 and self.num_cpus_per_worker == 0:
+            raise ValueError("a tensor-parallel worker reserves its devices as a placement "
+                             "group: num_cpus_per_worker must be > 0 on CPU workers")
+        return self
+
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
         return self.router_config().worker_engine(node_cores)
@@ -128,7 +147,8 @@ class ServeConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**{**self.engine, "model": self.model})
+        return EngineConfig(**{**self.engine, "model": self.model,
+                               "tensor_parallel_size": self.tensor_parallel_size})
 
     def resolved_api_keys(self) -> list[str]:
         """Configured keys plus those in $KVSERVE_API_KEYS (comma separated)."""

@@ -287,6 +287,7 @@ class GrpcFrontend:
                 restarts=w["restarts"], stats=w["stats"], inflight=w["inflight"],
                 reconciled_slots=w["reconciled_slots"], state=w["state"],
                 load_seconds=w["load_s"], host_tier=pb.HostTierInfo(**w["host_tier"]),
+                tensor_parallel_size=w["tensor_parallel_size"], devices=w["devices"],
             )
             for w in info["workers"]
         ]

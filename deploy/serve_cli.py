@@ -392,7 +392,10 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
-                        "default: 1 if CUDA else 0")
+                        "default: the tensor-parallel size if CUDA else 0")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices each worker spans, one rank per device on one node (the "
+                        "model's heads, MLP and vocabulary split across them)")
     s.add_argument("--cpus-per-worker", type=float, default=1)
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
@@ -445,9 +448,10 @@ def config_from_args(a: Any) -> ServeConfig:
     if gpus is None:
         import torch
 
-        gpus = 1 if torch.cuda.is_available() else 0
+        gpus = a.tensor_parallel_size if torch.cuda.is_available() else 0
     cfg = ServeConfig(
         model=a.model, num_workers=a.workers, num_gpus_per_worker=gpus,
+        tensor_parallel_size=a.tensor_parallel_size,
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,

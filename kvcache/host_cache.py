@@ -20,6 +20,7 @@ copy cheaper than recomputing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,12 @@ class ParkedKV:
 
 class HostTier:
     def __init__(self, device_kv: torch.Tensor, num_blocks: int, block_size: int,
-                 policy: str = "cost") -> None:
+                 policy: str = "cost",
+                 make_copier: Callable[[torch.Tensor, torch.Tensor], BlockCopier] | None = None,
+                 ) -> None:
+        """`policy`: how parked streams come back (`RestoreCost`); `make_copier(device_kv,
+        host_kv)`: what moves the blocks (default `BlockCopier`; a tensor-parallel engine's
+        also has every other rank copy its shard of them)."""
         if num_blocks < 1:
             raise ValueError("the host tier needs at least one block")
         self.block_size = block_size
@@ -80,7 +86,7 @@ class HostTier:
         pin = device_kv.device.type == "cuda"
         # torch.empty: pages are only committed when a block is first written (on CPU)
         self.kv = torch.empty(shape, dtype=device_kv.dtype, pin_memory=pin)
-        self.copier = BlockCopier(device_kv, self.kv)
+        self.copier = (make_copier or BlockCopier)(device_kv, self.kv)
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
         self.cost = RestoreCost(self.bytes_per_block / block_size, policy)
         self.copier.cost = self.cost
@@ -236,7 +242,7 @@ class HostTier:
         ids = parked.host_blocks + ([parked.tail_block] if parked.tail_block is not None else [])
         if parked.transfer is not None:
             parked.transfer.wait()
-        return self.copier.read(ids) if ids else self.kv[:0].clone()
+        return self.copier.read(ids)
 
     # ---- restore ---------------------------------------------------------------------------
     def restore(self, host_ids: list[int], dev_ids: list[int]) -> None:

@@ -20,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="devices the engine spans (one rank process per device)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -41,6 +43,7 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keys = {
         "kv_cache_tokens": a.kv_cache_tokens, "block_size": a.block_size, "dtype": a.dtype,
         "device": a.device, "max_model_len": a.max_model_len, "num_threads": a.threads,
+        "tensor_parallel_size": a.tensor_parallel_size,
     }
     return {k: v for k, v in keys.items() if v is not None}
 
@@ -92,9 +95,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
         return cmd_generate_remote(a, params.model_dump(exclude_defaults=True) | {
             "max_tokens": params.max_tokens, "temperature": params.temperature})
-    llm = LLM(model=a.model, **_settings(a))
-    ids = llm.tokenizer.encode(a.prompt)
-    _stream(llm, ids, params)
+    with LLM(model=a.model, **_settings(a)) as llm:
+        _stream(llm, llm.tokenizer.encode(a.prompt), params)
     return 0
 
 
@@ -102,7 +104,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
     params = _params(a)
-    llm = LLM(model=a.model, **_settings(a))
+    with LLM(model=a.model, **_settings(a)) as llm:
+        return _chat(llm, a, params)
+
+
+def _chat(llm: Any, a: argparse.Namespace, params: Any) -> int:
     messages: list[dict[str, str]] = []
     if a.system:
         messages.append({"role": "system", "content": a.system})

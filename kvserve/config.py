@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -51,7 +51,12 @@ class EngineConfig(BaseModel):
     quantized_decode: bool = Field(
         True, description="CPU float32: small-batch linears read the GGUF's quantized blocks"
     )
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None = all cores")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (of all ranks together); None = all cores")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="devices (ranks, one process each) the engine spans: attention "
+        "heads, KV heads, MLP and vocabulary split across them",
+    )
     seed: int = 0
     host_cache_gib: float | None = Field(
         None, ge=0, allow_inf_nan=False,
@@ -72,6 +77,13 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling is not available with tensor_parallel_size > 1: "
+                             "the other ranks take each step's input ids from the host")
+        return self
+
     @property
     def num_blocks(self) -> int:
         return max(1, self.kv_cache_tokens // self.block_size)
@@ -86,7 +98,22 @@ class EngineConfig(BaseModel):
     def resolved_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.resolved_device().startswith("cuda")
+        return self.resolved_device().startswith("cuda") and self.tensor_parallel_size == 1
+
+    def rank_threads(self) -> int:
+        """torch threads of each rank on the CPU: the engine's threads shared by its ranks."""
+        from kvserve.hardware import available_cores
+
+        total = self.num_threads if self.num_threads is not None else available_cores()
+        return max(1, total // self.tensor_parallel_size)
+
+    def rank_devices(self) -> list[str]:
+        """The device of each rank: on CUDA consecutive GPUs from the configured one."""
+        device = self.resolved_device()
+        if not device.startswith("cuda"):
+            return ["cpu"] * self.tensor_parallel_size
+        first = int(device[5:]) if device.startswith("cuda:") else 0
+        return [f"cuda:{first + r}" for r in range(self.tensor_parallel_size)]
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -22,3 +22,8 @@ class OutOfKVCacheError(KVServeError):
 
 class StartupError(KVServeError):
     """The served application did not start; the message names the part that failed and why."""
+
+
+class EngineDeadError(KVServeError):
+    """The engine cannot step any more: a rank of a tensor-parallel engine died or its group
+    failed. The message names the rank; the worker that holds the engine must be restarted."""

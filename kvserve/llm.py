@@ -20,6 +20,17 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's rank processes now (else at garbage collection or
+        interpreter exit); a no-op on one device."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: str | list[int] | Sequence[str | list[int]],

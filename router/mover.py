@@ -20,7 +20,6 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
 
 from kvserve.router.metrics import MigrationMetrics
@@ -33,6 +32,7 @@ from kvserve.router.migration import (
     plan_moves,
 )
 from kvserve.router.policy import WorkerView
+from kvserve.workers.worker_actor import stop_worker
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class StreamMover:
             moved += sum(await asyncio.gather(*jobs))
             await asyncio.sleep(DRAIN_POLL_S)
         sessions = await self._move_sessions(idx)
-        ray.kill(self.handles[idx], no_restart=True)
+        stop_worker(self.handles[idx])
         self.drained.add(idx)
         self._drain_state(idx, "drained")
         self.views[idx].alive = False

@@ -35,6 +35,7 @@ class WorkerView:
     pending: dict[int, float] = field(default_factory=dict)
     incarnation: str = ""
     node_id: str = ""  # the Ray node the worker's current incarnation runs on
+    devices: list[str] = field(default_factory=list)  # one per tensor-parallel rank
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 

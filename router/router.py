@@ -308,6 +308,7 @@ class RouterActor:
         v.held_device = set(load["held"].get("device", ()))
         v.held_host = set(load["held"].get("host", ()))
         v.stats = load["stats"]
+        v.devices = load.get("devices", [])
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
         self._reconcile(v, set(load.get("slots", ())), now)
@@ -363,7 +364,8 @@ class RouterActor:
                  "restarts": v.restarts, "reconciled_slots": v.reconciled,
                  "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases,
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
-                 "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s}
+                 "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s,
+                 "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices}
                 for v in self.views
             ],
         }

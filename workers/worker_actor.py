@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -123,10 +125,11 @@ class WorkerActor(StreamMoves, TokenBatches):
         except Exception as e:
             self._report(f"failed: {e}", time.monotonic() - t0)
             raise
-        self.engine = AsyncLLMEngine(self.config, engine)
+        self.engine = AsyncLLMEngine(self.config, engine, on_dead=self._engine_died)
         self.load_s = time.monotonic() - t0
         self._report("ready", self.load_s)
         self.model_name = model_name or served_name(self.config.model)
+        self._devices = self.devices()
         self.metrics = WorkerMetrics(self.model_name, worker_id)
         self._requests: dict[str, _Request] = {}
         self._subs: dict[str, Subscription] = {}
@@ -141,7 +144,29 @@ class WorkerActor(StreamMoves, TokenBatches):
         if gpus:
             device += f" (GPU {','.join(gpus)})"
         model = getattr(self, "model_name", "?")
-        return f"WorkerActor({getattr(self, 'worker_id', '?')}, model={model}, device={device})"
+        tp = f", tensor_parallel_size={config.tensor_parallel_size}" \
+            if config is not None and config.tensor_parallel_size > 1 else ""
+        return f"WorkerActor({getattr(self, 'worker_id', '?')}, model={model}, device={device}{tp})"
+
+    def devices(self) -> list[str]:
+        """Each rank's device, with the GPU Ray gave it ("cuda:1 (GPU 5)")."""
+        gpus = _gpu_ids()
+        out = []
+        for r, dev in enumerate(self.config.rank_devices()):
+            i = int(dev[5:]) if dev.startswith("cuda:") else r
+            out.append(f"{dev} (GPU {gpus[i]})" if dev.startswith("cuda") and i < len(gpus) else dev)
+        return out
+
+    def _engine_died(self, err: Exception) -> None:
+        """The engine can never step again (a tensor-parallel rank died). In a Ray actor the
+        process exits, so the worker is a dead worker to the ingress and the router (requests
+        retried or UNAVAILABLE) and Ray restarts it with a fresh engine."""
+        log.error("%s: %s; exiting so that Ray restarts this worker", self.worker_id, err)
+        if _in_actor():
+            for h in logging.getLogger("kvserve").handlers:
+                h.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def _report(self, state: str, load_s: float) -> None:
         log.info("%s: %s (device %s%s)", self.worker_id, state, self.config.resolved_device(),
@@ -295,6 +320,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "parked_streams": self.engine.parked,
             "held": self.engine.engine.held_block_hashes(),
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
+            "devices": self._devices,
         }
 
     def info(self) -> dict[str, Any]:
@@ -308,6 +334,9 @@ class WorkerActor(StreamMoves, TokenBatches):
             "block_size": self.config.block_size,
             "model_path": str(eng.model_path),
             "device": self.config.resolved_device(),
+            "devices": self._devices,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "shard_pids": self.engine.engine.shard_pids(),
             "load_s": self.load_s,
         }
 
@@ -378,10 +407,15 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
+def _in_actor() -> bool:
+    """Whether this runs in a Ray actor (else in-process: tests, the bench's engine)."""
+    return bool(ray.is_initialized() and ray.get_runtime_context().get_actor_id())
+
+
 def _log_info_in_actor() -> None:
     """Ray leaves an actor's Python logging at WARNING: give kvserve's INFO lines (start-up
     progress, CUDA-graph captures) a handler, written to the worker's log (.err)."""
-    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+    if not _in_actor():
         return  # in-process (tests): the host's logging setup stays as it is
     kv = logging.getLogger("kvserve")
     if not kv.handlers:
@@ -407,12 +441,61 @@ def create_worker(
     at once: Ray starts several workers' processes and model loads side by side. With
     `num_gpus` (a fraction lets workers share a GPU) Ray gives the actor its GPU through
     CUDA_VISIBLE_DEVICES, and the engine's device "cuda" is that GPU. A `name` (in
-    `namespace`) stays the actor's across its restarts."""
-    opts = worker_options(num_cpus, num_gpus, name)
+    `namespace`) stays the actor's across its restarts.
+
+    A tensor-parallel worker (`tensor_parallel_size` > 1 in `engine_config`) first reserves
+    its devices as one placement group packed on one node (`device_group`); the actor runs
+    in it and starts its other ranks there. The group stays reserved while Ray restarts
+    the actor; `stop_worker` frees it with the worker."""
+    tp = int(engine_config.get("tensor_parallel_size") or 1)
+    group = device_group(num_cpus, num_gpus, tp, name) if tp > 1 else None
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts = worker_options(num_cpus, num_gpus, name,
+                              PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0))
+    else:
+        opts = worker_options(num_cpus, num_gpus, name)
     if name and namespace:
         opts["namespace"] = namespace
-    return ray.remote(WorkerActor).options(**opts).remote(
+    handle = ray.remote(WorkerActor).options(**opts).remote(
         worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter)
+    if group is not None:
+        _DEVICE_GROUPS[handle._actor_id.hex()] = group
+    return handle
+
+
+# placement groups of the tensor-parallel workers this process created, by actor id
+_DEVICE_GROUPS: dict[str, Any] = {}
+
+
+def device_group(num_cpus: float, num_gpus: float, tensor_parallel_size: int,
+                 name: str | None = None) -> Any:
+    """A tensor-parallel worker's devices as one placement group on one node (STRICT_PACK):
+    one bundle holding every rank's GPU (and the worker's CPUs), so the actor placed in it
+    sees all of them (CUDA_VISIBLE_DEVICES) and gives rank r the r-th. Ray removes the group
+    with its owner (the router) at the latest."""
+    from ray.util.placement_group import placement_group
+
+    if num_gpus and num_gpus != tensor_parallel_size:
+        raise ValueError(f"a worker with tensor_parallel_size {tensor_parallel_size} needs one "
+                         f"GPU per rank: num_gpus {num_gpus:g}")
+    bundle = {k: float(v) for k, v in (("CPU", num_cpus), ("GPU", num_gpus)) if v > 0}
+    if not bundle:
+        raise ValueError("a tensor-parallel worker's placement group needs CPUs or GPUs to "
+                         "reserve (num_cpus and num_gpus are both 0)")
+    return placement_group([bundle], strategy="STRICT_PACK",
+                           name=f"{name}-devices" if name else "")
+
+
+def stop_worker(handle: Any) -> None:
+    """Stop a worker for good (no restart) and free its devices' placement group."""
+    ray.kill(handle, no_restart=True)
+    group = _DEVICE_GROUPS.pop(handle._actor_id.hex(), None)
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(group)
 
 
 def worker_options(

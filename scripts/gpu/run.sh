@@ -27,6 +27,9 @@
 # Each of these steps stays under a device call's 10 minutes.
 # MoE (step moe): GPU_SHARED=.gpu bash scripts/gpu/run.sh moe  (the fused-MoE kernels' tests,
 # the kernels vs the grouped torch path, a 5B Qwen3-MoE's decode vs transformers; ~10 min).
+# Tensor parallelism (step tp, a host with 2+ GPUs): the NCCL tests (size 2 against one GPU,
+# eager and in CUDA graphs; a killed rank), then `bench tp` at sizes 1, 2 (and 4 with 4 GPUs)
+# on the Llama-3.2-1B-shape model; on one GPU the tests report "needs 2 CUDA GPUs".
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
@@ -73,6 +76,13 @@ workers)  # two workers sharing the GPU (0.5 each, half the KV each) vs one with
     --gpus-per-worker 0.5 --target grpc --max-concurrency 256 $SERVE_LOAD --rounds 2 \
     --save-result "$OUT/serve_workers.json"
   grep -E "^=== |^rc=|^[0-9] +[12] worker|worker.*medians|starting the service|resized" "$OUT/workers.log" ;;
+tp)  # tensor parallelism over this host's GPUs
+  run tp tptests 500 env KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/workers/test_cuda_tensor_parallel.py
+  n=$(nvidia-smi -L | wc -l); sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
+  [ "$n" -ge 2 ] && run tp benchtp 500 $KV bench tp --model $M/l1b --sizes $sizes --batch 1,64 \
+    --dtype bfloat16 --steps 32 --json "$OUT/bench_tp.json"
+  grep -E "^=== |^rc=|passed|failed|skipped|^ *[0-9]+ +[0-9]+ " "$OUT/tp.log" ;;
 moe)  # Qwen3-MoE, random weights (make_moe_models.py q3moe: 5.2B, 64 experts, top-8): the
   # fused-MoE kernels on the GPU, against the grouped torch path, and decode B=1/64 vs transformers
   python3 scripts/gpu/make_moe_models.py "$M" "$G/tokenizer" q3moe 2>&1 | grep ready

@@ -139,3 +139,23 @@ def test_gpus_per_worker_reaches_the_worker_actors_and_their_device():
     assert pinned.worker_engine(8)["device"] == "cuda:1"
     with pytest.raises(ValueError, match="num_gpus_per_worker"):
         config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "-1"]))
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_the_gpus_add_up():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.serve_cli import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "4", "--gpus-per-worker", "4"]))
+    engine = cfg.router_config().worker_engine(8)
+    assert engine["tensor_parallel_size"] == 4 and engine["device"] == "cuda"
+    cpu = config_from_args(build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "2", "--gpus-per-worker", "0"]))
+    # the node's cores for the worker's engine, which shares them among its ranks
+    assert cpu.router_config().worker_engine(8)["num_threads"] == 8
+    with pytest.raises(ValueError, match="one rank per GPU: num_gpus_per_worker .* must be 4, got 1"):
+        ServeConfig(tensor_parallel_size=4, num_gpus_per_worker=1)
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size 2 differs"):
+        ServeConfig(tensor_parallel_size=4, engine={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="num_cpus_per_worker must be > 0"):
+        ServeConfig(tensor_parallel_size=2, num_cpus_per_worker=0)

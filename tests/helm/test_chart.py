@@ -55,9 +55,16 @@ GPU_AUTOSCALING = {
     "autoscaling": {"enabled": True, "upscalingMode": "Aggressive", "idleTimeoutSeconds": 300},
     "shm": {"sizeLimit": "8Gi"},
 }
+TENSOR_PARALLEL = {
+    "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
+    "serve": {"numWorkers": 2, "numGpusPerWorker": 4, "tensorParallelSize": 4,
+              "numCpusPerWorker": 8, "engine": {"dtype": "bfloat16"}},
+    "workerGroup": {"gpus": 8, "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+}
 CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "gpu-autoscaling": GPU_AUTOSCALING,
+    "tensor-parallel": TENSOR_PARALLEL,
     "api-keys-existing-secret": {"apiKeys": {"existingSecret": "llm-keys", "secretKey": "keys"}},
     "api-keys-created": {"apiKeys": {"keys": ["key-one", "key-two"]}},
     "monitoring": {"monitoring": {"enabled": True, "podMonitor": {"labels": {"release": "prom"}}}},
@@ -238,6 +245,9 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
         assert (sc.routing_policy, sc.max_imbalance, sc.max_inflight_per_worker) == (
             "least_loaded", 2, 512)
         assert sc.stream_interval_ms == 0 and sc.served_model_name == "smol"
+    elif name == "tensor-parallel":
+        assert sc.tensor_parallel_size == 4 and sc.num_gpus_per_worker == 4
+        assert sc.engine_config().tensor_parallel_size == 4
     elif name == "model-pvc":
         assert sc.model == "/models/llama/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
     elif name == "model-hostpath":
@@ -321,6 +331,8 @@ def test_ray_cluster_config(case):
     worker_spec = group["template"]["spec"]
     assert worker_spec.get("nodeSelector", {}) == wg.get("nodeSelector", {})
     assert worker_spec.get("tolerations", []) == wg.get("tolerations", [])
+    if name == "tensor-parallel":  # a worker's 4 GPUs in one pod, two workers per pod
+        assert worker_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     if name == "gpu-autoscaling":
         assert rc["enableInTreeAutoscaling"] is True
         opts = rc["autoscalerOptions"]
@@ -330,7 +342,9 @@ def test_ray_cluster_config(case):
         assert worker_spec["containers"][0]["image"] == "registry.example.com/kvserve:0.1.0-gpu"
     else:
         assert rc["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in rc
-        assert worker_spec["containers"][0]["image"] == "kvserve:0.1.0"
+        image = values.get("image", {})
+        assert worker_spec["containers"][0]["image"] == (
+            f"{image.get('repository', 'kvserve')}:{image.get('tag', '0.1.0')}")
 
 
 def test_pod_specs(case):
@@ -498,6 +512,7 @@ def test_notes_name_the_services():
 @pytest.mark.parametrize("values, message", [
     ({"serve": {"numWorkers": "2"}}, "at '/serve/numWorkers': got string, want integer"),
     ({"workerGroup": {"gpus": 0.5}}, "at '/workerGroup/gpus': got number, want integer"),
+    ({"serve": {"tensorParallelSize": 0}}, "at '/serve/tensorParallelSize'"),
     ({"monitoring": {"enabled": "yes"}}, "at '/monitoring/enabled': got string, want boolean"),
     ({"replicas": 3}, "additional properties 'replicas' not allowed"),
     ({"serve": {"num_workers": 2}}, "additional properties 'num_workers' not allowed"),
@@ -525,6 +540,20 @@ def test_schema_rejects(values, message):
     ({"workerGroup": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must not exceed"),
     ({"serve": {"numWorkers": 3, "numGpusPerWorker": 1}, "workerGroup": {"gpus": 1, "maxReplicas": 2}},
      "= 3 GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = 2"),
+    ({"serve": {"tensorParallelSize": 4, "numGpusPerWorker": 1}, "workerGroup": {"gpus": 4}},
+     "serve.tensorParallelSize 4 runs one rank per GPU: serve.numGpusPerWorker must be 4, not 1"),
+    ({"serve": {"tensorParallelSize": 4, "numGpusPerWorker": 4},
+      "workerGroup": {"gpus": 2, "maxReplicas": 2}},
+     "a worker's 4 GPUs (serve.tensorParallelSize) must be in one pod: workerGroup.gpus is 2"),
+    # 12 GPUs for 12, but a 6-GPU pod holds one 4-GPU worker: 2 pods, 2 workers
+    ({"serve": {"numWorkers": 3, "tensorParallelSize": 4, "numGpusPerWorker": 4},
+      "workerGroup": {"gpus": 6, "maxReplicas": 2}},
+     "serve.numWorkers 3 tensor-parallel workers of 4 GPUs each, but the worker pods hold at "
+     "most 2 (workerGroup.maxReplicas x (workerGroup.gpus / serve.tensorParallelSize))"),
+    ({"serve": {"tensorParallelSize": 2, "engine": {"tensor_parallel_size": 4}}},
+     "serve.engine.tensor_parallel_size differs from serve.tensorParallelSize"),
+    ({"serve": {"tensorParallelSize": 2, "numCpusPerWorker": 0}},
+     "serve.numCpusPerWorker must be > 0"),
 ])
 def test_inconsistent_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):

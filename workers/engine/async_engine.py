@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.engine import LLMEngine
@@ -61,8 +61,13 @@ def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 on_dead: Callable[[EngineDeadError], None] | None = None) -> None:
+        """`on_dead(error)` hears that the engine can never step again (a tensor-parallel
+        rank died): every request then fails with that error, new ones at once."""
         self.engine = engine or LLMEngine(config or EngineConfig())
+        self.on_dead = on_dead
+        self.dead: EngineDeadError | None = None
         self.tokenizer = self.engine.tokenizer
         self._adds: queue.SimpleQueue[tuple[Sequence, _Stream]] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -199,6 +204,7 @@ class AsyncLLMEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- the step loop (engine thread) ------------------------------------------------------
     def _run(self) -> None:
@@ -212,6 +218,9 @@ class AsyncLLMEngine:
                 continue
             try:
                 outs = eng.step()
+            except EngineDeadError as e:
+                self._died(e)
+                continue
             except Exception as e:  # keep serving: fail what was running, not the engine
                 log.exception("engine step failed")
                 self._fail_all(e)
@@ -225,6 +234,9 @@ class AsyncLLMEngine:
             return 0
         try:
             outs = self.engine.step()
+        except EngineDeadError as e:
+            self._died(e)
+            raise
         except Exception as e:
             log.exception("engine step failed")
             self._fail_all(e)
@@ -232,6 +244,13 @@ class AsyncLLMEngine:
         self._deliver(outs)
         self._refresh()
         return len(outs)
+
+    def _died(self, err: EngineDeadError) -> None:
+        log.error("engine is dead: %s", err)
+        self.dead = err
+        if self.on_dead is not None:  # first: a worker process may end here, its streams with it
+            self.on_dead(err)
+        self._fail_all(err)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their consumers: one callback per event loop, so that
@@ -265,6 +284,9 @@ class AsyncLLMEngine:
                 seq, st = self._adds.get_nowait()
             except queue.Empty:
                 break
+            if self.dead is not None:  # nothing will step it
+                st.put(self.dead)
+                continue
             try:
                 eng.add_sequence(seq)
             except Exception as e:

@@ -29,8 +29,10 @@ from kvserve.workers.engine import constraints
 from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
-from kvserve.workers.loading.loader import load_model
+from kvserve.workers.loading.loader import load_model, read_model_config
+from kvserve.workers.loading.sharding import check_tensor_parallel
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
+from kvserve.workers.model.parallel.ranks import ShardRanks
 from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
 from kvserve.workers.structured.grammars import Grammars
 
@@ -47,9 +49,8 @@ class LLMEngine:
         if progress is not None:
             progress("loading")
         self.tokenizer: Tokenizer = load_tokenizer(path)
-        loaded = load_model(path, dtype=DTYPES[config.resolved_dtype()])
-        self.runner = ModelRunner(loaded, config, progress)
-        self.model_config = loaded.config
+        self.runner = _start_runner(path, config, progress)
+        self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.kv = self.runner.kv
         self.scheduler = Scheduler(
@@ -384,7 +385,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float | int]:
         elapsed = max(1e-9, time.monotonic() - self._t0)
         host = self.kv.host
-        bpb = self.runner.cache.bytes_per_block
+        bpb = self.runner.bytes_per_block  # over every rank of a tensor-parallel engine
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -427,6 +428,7 @@ class LLMEngine:
             "writebacks_skipped": self.scheduler.writebacks_skipped,
             "demotions_skipped": host.demotions_skipped if host else 0,
             **self.grammars.stats(),
+            **self.runner.parallel_stats(),
         }
 
     def held_block_hashes(self) -> dict[str, list[int]]:
@@ -438,6 +440,35 @@ class LLMEngine:
         host = self.kv.host
         return {"device": _snapshot_keys(self.kv.pool.cached),
                 "host": _snapshot_keys(host.table.cached) if host is not None else []}
+
+
+    def shard_pids(self) -> list[int]:
+        """The processes of a tensor-parallel engine's ranks 1..N-1 ([] on one device)."""
+        ranks = self.runner.ranks
+        return ranks.pids if ranks is not None else []
+
+    def close(self) -> None:
+        """Release what outlives the engine object: a tensor-parallel engine's other ranks
+        (their processes end here)."""
+        self.runner.close()
+
+
+def _start_runner(path: str, config: EngineConfig, progress: Progress | None) -> ModelRunner:
+    """The model runner; a tensor-parallel one's other ranks start first and load their
+    shards while rank 0 loads its own."""
+    dtype = DTYPES[config.resolved_dtype()]
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(load_model(path, dtype=dtype), config, progress)
+    # a size the model cannot split is refused before any rank starts
+    check_tensor_parallel(read_model_config(path), config.tensor_parallel_size, path)
+    ranks = ShardRanks(path, config)
+    try:
+        loaded = load_model(path, dtype=dtype, shard=ranks.shard(0))
+        ranks.wait_ready()
+        return ModelRunner(loaded, config, progress, ranks)
+    except BaseException:
+        ranks.close()
+        raise
 
 
 class _Column(collections.abc.Sequence):

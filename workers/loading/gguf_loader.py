@@ -27,6 +27,7 @@ from kvserve.workers.loading.model_config import (
     ModelConfig,
 )
 from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
+from kvserve.workers.loading.sharding import Shard, ShardLayout, Split, index
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
 # models as "llama"; both use the same (permuted) Q/K layout.
@@ -123,16 +124,12 @@ class _CheckedReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, shard: Shard | None = None) -> LoadedModel:
+    """The model's weights, or with `shard` only that rank's part of each (read from the
+    memory map slice by slice: the whole model is never in memory)."""
     reader = _open(path)
-    arch = _field(reader, path, "general.architecture", str)
-    if arch not in _ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r} (general.architecture); "
-            f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    tensors = {t.name: t for t in reader.tensors}
-    config = _config_from_metadata(reader, path, arch, tensors)
+    arch, tensors, config = _read_config(reader, path)
+    layout = ShardLayout(config, shard, path) if shard is not None else None
 
     expected = expected_weight_shapes(config)
     hf_to_gguf = _hf_to_gguf_names(expected, arch, config.num_layers)
@@ -148,27 +145,77 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     # beside the converted result.
     for hf_name in expected:
         tensor = tensors[hf_to_gguf[hf_name]]
-        array = _dequantize(tensor, path)
+        split = layout.split(hf_name) if layout is not None else None
+        # only float32 runs (the CPU) use the raw-block kernel: keep the blocks for them
+        array, raw = _read_tensor(tensor, path, split, keep_raw=dtype == torch.float32)
         n_heads = 0
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             n_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+            if layout is not None:  # whole heads: the permutation stays inside each
+                n_heads = layout.num_heads if "q_proj" in hf_name else layout.num_kv_heads
             array = _unpermute_qk(array, n_heads)
         if arch in _GEMMA and hf_name.endswith("norm.weight"):
             array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + w: back to HF's w
         weights[hf_name] = torch.from_numpy(array).to(dtype)
-        # Only float32 runs (the CPU) use the raw-block kernel; keep the blocks for them.
-        if dtype == torch.float32 and array.ndim == 3 and tensor.tensor_type.name in QTYPES:
-            raw3 = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # MoE experts
-            quantized.update(expert_rows(hf_name, raw3, tensor.tensor_type.name, array.shape))
-        elif dtype == torch.float32 and array.ndim == 2 and tensor.tensor_type.name in QTYPES:
-            raw = np.array(tensor.data, dtype=np.uint8)  # a copy: [rows, row bytes]
+        qtype = tensor.tensor_type.name
+        if raw is None:
+            continue
+        if array.ndim == 3:  # MoE experts
+            quantized.update(expert_rows(hf_name, torch.from_numpy(raw), qtype, array.shape))
+        elif array.ndim == 2:
             if n_heads:  # rows are independent, so the same row permutation applies
                 raw = np.ascontiguousarray(_unpermute_qk(raw, n_heads))
-            rows, cols = array.shape
-            quantized[hf_name] = QuantizedWeight(
-                tensor.tensor_type.name, torch.from_numpy(raw), (rows, cols)
-            )
-    return LoadedModel(config=config, weights=weights, path=path, quantized=quantized)
+            quantized[hf_name] = QuantizedWeight(qtype, torch.from_numpy(raw), array.shape)
+    return LoadedModel(config=config, weights=weights, path=path, quantized=quantized, shard=shard)
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+    """The model's configuration alone (its metadata; no tensor is read)."""
+    return _read_config(_open(path), path)[2]
+
+
+def _read_config(reader: GGUFReader, path: str) -> tuple[str, dict[str, Any], ModelConfig]:
+    arch = _field(reader, path, "general.architecture", str)
+    if arch not in _ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (general.architecture); "
+            f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    return arch, tensors, _config_from_metadata(reader, path, arch, tensors)
+
+
+def _read_tensor(tensor: Any, path: str, split: Split | None,
+                 keep_raw: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(float32 array in torch shape, its raw ggml rows or None) of the tensor's part under
+    `split`. Quantized rows split freely; a split of the input dimension keeps the raw rows
+    only where it falls on block boundaries (the CPU kernel reads whole blocks), and
+    otherwise dequantizes the covering blocks and cuts them (the weight then runs in fp32)."""
+    shape = _torch_shape(tensor)
+    data = tensor.data
+    qtype = tensor.tensor_type
+    keep_raw = keep_raw and qtype.name in QTYPES
+    if split is None:
+        raw = np.array(data, dtype=np.uint8) if keep_raw else None  # a copy: [rows, row bytes]
+        return _dequantize(tensor, path), raw
+    ndim = len(shape)
+    if tuple(data.shape) == shape:  # one element per weight (F32, F16, ...): plain slices
+        parts = [np.asarray(data[index(ndim, split.dim, a, b)]) for a, b in split.ranges]
+        return _dequantize(tensor, path, np.concatenate(parts, axis=split.dim)), None
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if split.dim < ndim - 1:  # whole rows of blocks
+        raw = np.concatenate([np.asarray(data[index(ndim, split.dim, a, b)])
+                              for a, b in split.ranges], axis=split.dim)
+        return _dequantize(tensor, path, raw), (raw if keep_raw else None)
+    arrays, raws = [], []
+    aligned = all(a % block == 0 and b % block == 0 for a, b in split.ranges)
+    for a, b in split.ranges:
+        lo, hi = a // block, -(-b // block)  # the blocks covering columns a:b
+        part = np.ascontiguousarray(data[..., lo * size : hi * size])
+        arrays.append(_dequantize(tensor, path, part)[..., a - lo * block : b - lo * block])
+        raws.append(part)
+    raw = np.concatenate(raws, axis=-1) if aligned and keep_raw else None
+    return np.ascontiguousarray(np.concatenate(arrays, axis=-1)), raw
 
 
 def _open(path: str) -> GGUFReader:
@@ -492,22 +539,25 @@ def _torch_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def _dequantize(tensor: Any, path: str) -> np.ndarray:
-    """A float32 array in torch shape, never a view into the memory map."""
+def _dequantize(tensor: Any, path: str, data: np.ndarray | None = None) -> np.ndarray:
+    """A float32 array in torch shape (of `data`, a part of the tensor's rows, if given),
+    never a view into the memory map."""
     qtype = tensor.tensor_type
     if qtype in _INTEGER_TYPES:
         raise ModelLoadError(f"{path}: tensor {tensor.name} has integer type {qtype.name}")
+    part = data is not None
+    data = tensor.data if data is None else data
     try:
         if qtype == GGMLQuantizationType.F32:
-            array = np.array(tensor.data, dtype=np.float32)
+            array = np.array(data, dtype=np.float32)
         else:
-            array = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+            array = gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
     except NotImplementedError as e:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} uses {qtype.name} quantization, which the "
             "installed gguf package cannot dequantize"
         ) from e
-    return array.reshape(_torch_shape(tensor))
+    return array if part else array.reshape(_torch_shape(tensor))
 
 
 def _unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:

@@ -20,6 +20,8 @@ from kvserve.workers.loading.loader import (
     warn_unused,
 )
 from kvserve.workers.loading.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvserve.workers.loading.sharding import Shard, ShardLayout, Split, take
+from kvserve.workers.loading.sharding import index as dim_slice
 
 # HF model_type -> (ModelConfig.architecture, the causal-LM class its config names)
 _HF_ARCHITECTURES = {
@@ -50,10 +52,12 @@ _WEIGHT_FILES = (
 )
 
 
-def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    config_path = os.path.join(path, "config.json")
-    raw = _read_json(config_path)
-    config = config_from_hf(raw, config_path, _read_generation_config(path))
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32,
+                shard: Shard | None = None) -> LoadedModel:
+    """The model's weights, or with `shard` only that rank's part of each (safetensors
+    slices: the whole model is never in memory)."""
+    config = read_hf_config(path)
+    layout = ShardLayout(config, shard, path) if shard is not None else None
 
     expected = expected_weight_shapes(config)
     with ExitStack() as stack:
@@ -70,10 +74,24 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         check_weight_shapes(found, expected, where)
         used = set(expected) | {k for v in views.values() for k in v.keys}
         warn_unused([k for k in owner if k not in used and not _ignorable(k, config)], where)
-        weights = {name: (owner[name].get(name) if name in owner
-                          else views[name].load(lambda k: owner[k].get(k))).to(dtype)
-                   for name in expected}
-    return LoadedModel(config=config, weights=weights, path=path)
+
+        def read(name: str) -> torch.Tensor:
+            split = layout.split(name) if layout is not None else None
+            if name in owner:
+                return owner[name].get(name, split)
+            view = views[name]
+            if split is not None and view.per_expert:  # each expert's part, then stacked
+                return view.load(lambda k: owner[k].get(k, split.inner()))
+            return take(view.load(lambda k: owner[k].get(k)), split)
+
+        weights = {name: read(name).to(dtype) for name in expected}
+    return LoadedModel(config=config, weights=weights, path=path, shard=shard)
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """The model's configuration alone (config.json, generation_config.json)."""
+    config_path = os.path.join(path, "config.json")
+    return config_from_hf(_read_json(config_path), config_path, _read_generation_config(path))
 
 
 def _ignorable(key: str, config: ModelConfig) -> bool:
@@ -336,7 +354,8 @@ class _WeightSource:
     def shape(self, key: str) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, split: Split | None = None) -> torch.Tensor:
+        """The tensor, or its part under `split`."""
         raise NotImplementedError
 
 
@@ -351,9 +370,14 @@ class _SafetensorsSource(_WeightSource):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handle.get_slice(key).get_shape())
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, split: Split | None = None) -> torch.Tensor:
         try:
-            return self._handle.get_tensor(key)
+            if split is None:
+                return self._handle.get_tensor(key)
+            part = self._handle.get_slice(key)
+            n = len(part.get_shape())
+            pieces = [part[dim_slice(n, split.dim, a, b)] for a, b in split.ranges]
+            return torch.cat(pieces, dim=split.dim) if len(pieces) > 1 else pieces[0]
         except Exception as e:
             raise ModelLoadError(f"{self.path}: cannot read tensor {key}: {e}") from e
 
@@ -369,8 +393,8 @@ class _StateDictSource(_WeightSource):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._state[key].shape)
 
-    def get(self, key: str) -> torch.Tensor:
-        return self._state[key]
+    def get(self, key: str, split: Split | None = None) -> torch.Tensor:
+        return take(self._state[key], split)
 
 
 @contextmanager

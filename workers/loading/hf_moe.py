@@ -75,6 +75,7 @@ class ExpertView:
     keys: list[str]
     shape: tuple[int, ...]
     make: Callable[[list[torch.Tensor]], torch.Tensor]
+    per_expert: bool = False  # `make` stacks one tensor per expert (a split applies to each)
 
     def load(self, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
         try:
@@ -126,5 +127,5 @@ def expert_views(cfg: ModelConfig, keys: set[str], shape: Callable[[str], tuple[
             shapes = {shape(n) for n in names}
             if len(shapes) != 1:
                 raise ModelLoadError(f"{source}: experts of {p}{theirs} differ in shape: {sorted(shapes)}")
-            views[target] = ExpertView(names, (len(names), *shapes.pop()), torch.stack)
+            views[target] = ExpertView(names, (len(names), *shapes.pop()), torch.stack, True)
     return views

@@ -16,6 +16,7 @@ import torch
 from kvserve.errors import ModelLoadError
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.quant_format import QuantizedWeight
+from kvserve.workers.loading.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +33,49 @@ class LoadedModel:
     # Raw ggml blocks of 2-D weights in a type the CPU kernel reads (GGUF float32
     # loads only), by the same HF names and row order as `weights`.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # a tensor-parallel rank's load: `weights` hold only its part of each tensor
+    shard: Shard | None = None
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a GGUF file or an HF model directory; every failure is a ModelLoadError."""
+def load_model(path: str, dtype: torch.dtype = torch.float32,
+               shard: Shard | None = None) -> LoadedModel:
+    """Load a GGUF file or an HF model directory; every failure is a ModelLoadError.
+    With `shard`, only that tensor-parallel rank's part of each weight is read
+    (`sharding.py`); a model the ranks cannot split is a ModelLoadError naming the numbers."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
     path = os.path.expanduser(os.fspath(path))
+    if _kind(path) == "hf":
+        from kvserve.workers.loading.hf_loader import load_hf_dir
+
+        return load_hf_dir(path, dtype, shard)
+    from kvserve.workers.loading.gguf_loader import load_gguf
+
+    return load_gguf(path, dtype, shard)
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The configuration of a GGUF file or HF directory, without reading its weights."""
+    path = os.path.expanduser(os.fspath(path))
+    if _kind(path) == "hf":
+        from kvserve.workers.loading.hf_loader import read_hf_config
+
+        return read_hf_config(path)
+    from kvserve.workers.loading.gguf_loader import read_gguf_config
+
+    return read_gguf_config(path)
+
+
+def _kind(path: str) -> str:
+    """"hf" or "gguf"; ModelLoadError for anything else."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(f"{path}: directory has no config.json; expected {EXPECTED_INPUT}")
-        from kvserve.workers.loading.hf_loader import load_hf_dir
-
-        return load_hf_dir(path, dtype)
+        return "hf"
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory; expected {EXPECTED_INPUT}")
     if path.lower().endswith(".gguf") or _has_gguf_magic(path):
-        from kvserve.workers.loading.gguf_loader import load_gguf
-
-        return load_gguf(path, dtype)
+        return "gguf"
     raise ModelLoadError(
         f"{path}: not a GGUF file (no .gguf suffix, no GGUF magic bytes); expected {EXPECTED_INPUT}"
     )

@@ -14,27 +14,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.kvcache.block_tables import BlockTables
-from kvserve.kvcache.device_cache import DeviceKVCache
+from kvserve.errors import EngineDeadError
 from kvserve.kvcache.host_cache import HostTier, default_host_bytes
 from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.loading.loader import LoadedModel
-from kvserve.workers.model.attention import AttentionMetadata, select_backend
+from kvserve.workers.loading.model_config import ModelConfig
+from kvserve.workers.loading.sharding import ShardLayout
+from kvserve.workers.model.forward import DTYPES, DeviceTokens, Progress, StepForward
+from kvserve.workers.model.layers.parallel import TensorParallel
 from kvserve.workers.model.models.registry import build_model
-from kvserve.workers.model.step_inputs import build_step, to_device
+from kvserve.workers.model.step_inputs import build_step
 
-if TYPE_CHECKING:  # needs triton: imported only where graphs are used
-    from kvserve.workers.model.cuda_graphs import StepGraphs
+if TYPE_CHECKING:
+    from kvserve.workers.model.parallel.ranks import ShardRanks
 
 log = logging.getLogger(__name__)
+
+__all__ = ["DTYPES", "DeviceTokens", "ModelRunner", "Progress"]
 
 # the restore cost model's prefill rate: tokens of the timed chunk at start-up, enough to
 # fill the device (a GPU runs a small chunk in about the time of one token); real steps
@@ -42,104 +44,60 @@ log = logging.getLogger(__name__)
 # are mostly fixed cost, decode-only steps another cost per token altogether)
 CALIBRATION_TOKENS = {"cpu": 128, "cuda": 512}
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+def table_geometry(cfg: ModelConfig, config: EngineConfig) -> tuple[int | None, int]:
+    """(the window after which a stream's blocks are released, or None; the block-table
+    width: the most blocks a stream holds ids for)."""
+    # every layer windowed (Mistral, Phi-3 with sliding_window): blocks no window reaches
+    # are released; with global layers among them (Gemma) every block stays
+    window = cfg.sliding_window if cfg.sliding_window is not None and cfg.all_sliding else None
+    # a windowed stream is not capped by the pool (its table keeps released ids)
+    max_tokens = config.max_model_len or cfg.max_position_embeddings
+    if window is None:
+        max_tokens = min(max_tokens, config.num_blocks * config.block_size)
+    return window, -(-max_tokens // config.block_size)
 
 
-# hears start-up stages: "loading", "capturing graphs 3/9"
-Progress = Callable[[str], None]
-
-
-@dataclass
-class DeviceTokens:
-    """Input ids a step takes from an earlier step's sampled ids, still on the device."""
-
-    streams: np.ndarray  # indices, in this step's plan, of the streams whose input they are
-    rows: np.ndarray  # each one's row in `tokens`
-    tokens: torch.Tensor  # [R] int64 sampled ids of the earlier step
-
-
-class DeviceTables:
-    """The device copy of the persistent block tables (CUDA): a step's changed entries
-    travel with its inputs and are applied by one scatter before its forward."""
-
-    def __init__(self, tables: BlockTables, device: torch.device) -> None:
-        self.src = tables
-        tables.track = True
-        self.device = device
-        self._upload()
-
-    def _upload(self) -> None:
-        self.capacity = self.src.capacity_changes
-        self.tensor = torch.from_numpy(self.src.array).to(self.device)
-        self.src.take_updates()  # the whole copy holds them
-
-    def pending(self) -> tuple[np.ndarray, np.ndarray]:
-        """(flat indices, values) to apply before the next forward."""
-        if self.src.capacity_changes != self.capacity:  # more streams than planned for
-            self._upload()
-        return self.src.take_updates()
-
-    def apply(self, idx: torch.Tensor, vals: torch.Tensor) -> None:
-        if idx.numel():
-            self.tensor.view(-1).index_copy_(0, idx, vals.to(torch.int32))
-
-
-class ModelRunner:
+class ModelRunner(StepForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, ranks: ShardRanks | None = None) -> None:
+        """`ranks`: the other ranks of a tensor-parallel engine (`parallel/ranks.py`), started
+        and joined; `loaded` is then rank 0's shard."""
         self.config = config
-        self.device = torch.device(config.resolved_device())
+        self.ranks = ranks
+        self.device = torch.device(config.resolved_device() if ranks is None else ranks.devices[0])
         self.dtype = DTYPES[config.resolved_dtype()]
-        if config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu" and (config.num_threads is not None or ranks is not None):
+            torch.set_num_threads(config.rank_threads())
         cfg = loaded.config
         self.model_config = cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        tp = None
+        num_kv_heads = cfg.num_kv_heads
+        if ranks is not None:
+            assert loaded.shard is not None
+            layout = ShardLayout(cfg, loaded.shard)
+            tp = TensorParallel(layout, ranks.group)
+            num_kv_heads = layout.num_kv_heads
         self.model = build_model(
             cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
-            quantized=loaded.quantized, quantized_decode=config.quantized_decode,
+            quantized=loaded.quantized, quantized_decode=config.quantized_decode, tp=tp,
         )
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
-        # every layer windowed (Mistral, Phi-3 with sliding_window): blocks no window reaches
-        # are released; with global layers among them (Gemma) every block stays
-        window = cfg.sliding_window if cfg.sliding_window is not None and cfg.all_sliding else None
-        # a windowed stream is not capped by the pool (its table keeps released ids)
-        max_tokens = self.max_model_len
-        if window is None:
-            max_tokens = min(max_tokens, config.num_blocks * config.block_size)
+        window, width = table_geometry(cfg, config)
         # a row of the persistent block tables per running stream, as wide as a stream can grow
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window, max_blocks_per_stream=-(-max_tokens // config.block_size),
+                                 window, max_blocks_per_stream=width,
                                  slots=config.max_num_seqs, pin_tables=on_cuda)
-        self.tables = DeviceTables(self.kv.tables, self.device) if on_cuda else None
-        self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
-        self.attn.configure(self.model.attention_layers)
-        log.info("attention backend: %s", self.attn.name)
-        use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
-        # with CUDA graphs, one block past the pool takes the padding rows' K/V writes
-        self.cache = DeviceKVCache(
-            cfg.num_layers, config.num_blocks + int(use_graphs), config.block_size,
-            cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-        )
-        self.graphs: StepGraphs | None = None
-        if use_graphs:
-            from kvserve.workers.model.cuda_graphs import StepGraphs
-
-            assert self.tables is not None
-            t = self.kv.tables
-            self.graphs = StepGraphs(self.model, self.cache, self.attn, config.max_num_seqs,
-                                     self.tables.tensor, config.num_blocks,
-                                     max_tokens=min(config.max_num_batched_tokens,
-                                                    config.cuda_graph_max_tokens),
-                                     extra=2 * t.slots * t.width + 2 * config.max_num_seqs)
-            log.info("capturing CUDA graphs: decode batches %s, %d mixed buckets",
-                     self.graphs.buckets, len(self.graphs.mixed))
-            self.graphs.capture(progress)
+        # a tensor-parallel rank 0 sends the tables' changes to the others with each step
+        tables = self.kv.tables if ranks is None else ranks.track_tables(self.kv.tables)
+        self.setup_device(cfg, config, tables, num_kv_heads, progress)
         self.host: HostTier | None = None
         host_bytes = (default_host_bytes() if config.host_cache_gib is None
                       else int(config.host_cache_gib * 2**30))
-        n_host = host_bytes // self.cache.bytes_per_block
+        # host_cache_gib is the worker's: every rank keeps its shard of each host block
+        n_host = host_bytes // self.bytes_per_block
         # CUDA: steps timed for the prefill rate, by events read once they have fired
         self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self._calibration_tokens = min(CALIBRATION_TOKENS.get(self.device.type, 128),
@@ -147,10 +105,14 @@ class ModelRunner:
                                        self.max_model_len - 1, config.num_blocks * config.block_size)
         self._sample_tokens = max(1, self._calibration_tokens // 2)
         if n_host >= 1:
-            self.host = HostTier(self.cache.kv, n_host, config.block_size, config.host_restore_policy)
+            make = None if ranks is None else ranks.copier(cfg.num_kv_heads)
+            self.host = HostTier(self.cache.kv, n_host, config.block_size,
+                                 config.host_restore_policy, make)
             self.kv.attach_host(self.host)
-            log.info("host KV tier: %d blocks (%.2f GiB)", n_host, n_host * self.cache.bytes_per_block / 2**30)
-            self.calibrate()
+            log.info("host KV tier: %d blocks (%.2f GiB)", n_host, n_host * self.bytes_per_block / 2**30)
+        if ranks is not None:
+            ranks.start_host(max(0, n_host))  # before calibration: its copies reach every rank
+        self.calibrate()
 
     def calibrate(self) -> None:
         """Measure what the restore cost model compares: copy bandwidth and latency each way
@@ -187,6 +149,12 @@ class ModelRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One KV block's bytes over every rank (a replicated KV head counts on each)."""
+        size = 1 if self.ranks is None else self.ranks.size
+        return self.cache.bytes_per_block * size
 
     def execute(self, steps: list[StreamStep]) -> tuple[StepPlan, torch.Tensor]:
         """Run one step; returns the plan and one row of logits per stream ([B, vocab]).
@@ -259,47 +227,35 @@ class ModelRunner:
         step = build_step(plan, self.block_size, self.max_model_len)
         # what follows the step's own inputs in its one copy: table changes, device ids
         extras: list[np.ndarray] = []
-        if self.tables is not None:
-            extras += self.tables.pending()
-        if prev is not None and len(prev.streams):
-            extras += [step.logits_indices[prev.streams], prev.rows]
-        graphs = self.graphs
-        if graphs is not None and graphs.tables is self._device_tables():
-            key = graphs.key_for(step, sum(a.size for a in extras))
-            if key is not None:
-                views = graphs.stage(key, step, extras)
-                self._apply(views, graphs.views(key)["ids"], prev)
-                return graphs.run(step, key)
-        meta = AttentionMetadata(
-            query_lens=step.query_lens.tolist(), context_lens=step.context_lens.tolist(),
-            block_tables=[p.block_ids for p in plan.streams], slot_mapping=None,  # type: ignore[arg-type]
-            block_size=self.block_size, inputs=step, device_tables=self._device_tables(),
-        )
-        dev = self.device
-        extra = self.attn.host_plan(meta) if hasattr(self.attn, "host_plan") else []
-        parts = [step.input_ids, step.positions, step.slot_mapping, step.logits_indices, *extra, *extras]
-        views = to_device(parts, dev)
-        ids, pos, slots, last = views[:4]
-        meta.slot_mapping = slots
-        self._apply(views[4 + len(extra):], ids, prev)
-        if extra:
-            self.attn.bind(meta, views[4 : 4 + len(extra)])  # type: ignore[attr-defined]
-        else:
-            self.attn.prepare(meta, dev)
-        return self.model.forward(ids, pos, meta, self.cache, self.attn, last)
-
-    def _device_tables(self) -> torch.Tensor | None:
-        return self.tables.tensor if self.tables is not None else None
-
-    def _apply(self, extras: list[torch.Tensor], ids: torch.Tensor, prev: DeviceTokens | None) -> None:
-        """On the device, before the forward: the table changes, then the ids still there."""
-        if self.tables is not None:
-            self.tables.apply(extras[0], extras[1])
-            extras = extras[2:]
-        if extras:
-            assert prev is not None
-            dst, rows = extras
-            ids.index_copy_(0, dst, prev.tokens.index_select(0, rows))
+        if self.ranks is None:
+            if self.tables is not None:
+                extras += self.tables.pending()
+            if prev is not None and len(prev.streams):
+                extras += [step.logits_indices[prev.streams], prev.rows]
+            return self.forward_step(step, [p.block_ids for p in plan.streams], extras, prev)
+        self.ranks.send_step(step)  # the same inputs to every rank, then the same forward
+        try:
+            if self.tables is not None:
+                extras += self.tables.pending()
+            return self.forward_step(step, [p.block_ids for p in plan.streams], extras)
+        except EngineDeadError:
+            raise
+        except BaseException as e:  # the other ranks may wait for this one in a collective
+            raise self.ranks.fail(f"rank 0's step failed: {e!r}") from e
 
     def free(self, stream_id: str) -> None:
         self.kv.free(stream_id)
+
+    def parallel_stats(self) -> dict[str, float | int]:
+        """A tensor-parallel engine's size and rank 0's time in collectives (CPU: wall time;
+        on CUDA the collectives run inside the forward and are not timed); {} otherwise."""
+        if self.ranks is None:
+            return {}
+        g = self.ranks.group
+        return {"tensor_parallel_size": self.ranks.size, "tp_collectives": g.calls,
+                "tp_collective_seconds": g.seconds, "tp_collective_bytes": g.bytes}
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (no process is left behind)."""
+        if self.ranks is not None:
+            self.ranks.close()

@@ -105,6 +105,29 @@ for the embedded default model. */}}
 {{- if gt $need $have }}
 {{- fail (printf "serve.numWorkers x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
 {{- end }}
+{{- $tp := int .Values.serve.tensorParallelSize }}
+{{- $gpw := float64 .Values.serve.numGpusPerWorker }}
+{{- with .Values.serve.engine }}
+{{- if and (hasKey . "tensor_parallel_size") (ne (int (get . "tensor_parallel_size")) $tp) }}
+{{- fail "serve.engine.tensor_parallel_size differs from serve.tensorParallelSize: set serve.tensorParallelSize only" }}
+{{- end }}
+{{- end }}
+{{- if and (gt $tp 1) (gt $gpw 0.0) }}
+{{- if ne $gpw (float64 $tp) }}
+{{- fail (printf "serve.tensorParallelSize %d runs one rank per GPU: serve.numGpusPerWorker must be %d, not %v" $tp $tp .Values.serve.numGpusPerWorker) }}
+{{- end }}
+{{- $pod := int .Values.workerGroup.gpus }}
+{{- if lt $pod $tp }}
+{{- fail (printf "a worker's %d GPUs (serve.tensorParallelSize) must be in one pod: workerGroup.gpus is %d" $tp $pod) }}
+{{- end }}
+{{- $fit := mul (div $pod $tp) (int .Values.workerGroup.maxReplicas) }}
+{{- if lt $fit (int .Values.serve.numWorkers) }}
+{{- fail (printf "serve.numWorkers %d tensor-parallel workers of %d GPUs each, but the worker pods hold at most %d (workerGroup.maxReplicas x (workerGroup.gpus / serve.tensorParallelSize))" (int .Values.serve.numWorkers) $tp $fit) }}
+{{- end }}
+{{- end }}
+{{- if and (gt $tp 1) (eq $gpw 0.0) (eq (float64 .Values.serve.numCpusPerWorker) 0.0) }}
+{{- fail "a tensor-parallel CPU worker reserves its CPUs as a placement group: serve.numCpusPerWorker must be > 0" }}
+{{- end }}
 {{- if gt (int .Values.workerGroup.minReplicas) (int .Values.workerGroup.maxReplicas) }}
 {{- fail "workerGroup.minReplicas must not exceed workerGroup.maxReplicas" }}
 {{- end }}
@@ -220,6 +243,7 @@ livenessProbe:
   "num_workers" $s.numWorkers
   "num_gpus_per_worker" $s.numGpusPerWorker
   "num_cpus_per_worker" $s.numCpusPerWorker
+  "tensor_parallel_size" $s.tensorParallelSize
   "stream_interval_ms" $s.streamIntervalMs
   "engine" $engine
   "http_host" "0.0.0.0"

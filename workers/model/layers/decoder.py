@@ -20,6 +20,7 @@ from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from kvserve.workers.model.layers.mlp import MLP
 from kvserve.workers.model.layers.norm import RMSNorm
+from kvserve.workers.model.layers.parallel import TensorParallel
 from kvserve.workers.model.layers.self_attention import SelfAttention, Step
 from kvserve.workers.model.quant_linear import Linear
 
@@ -46,6 +47,9 @@ class DecoderModel:
     layers: list[DecoderLayer]
     norm: RMSNorm
     lm_head: Linear
+    # a tensor-parallel rank's model (set by the registry): `embed` and `lm_head` hold its
+    # vocabulary rows, and the forward meets the other ranks there
+    tp: TensorParallel | None = None
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg
@@ -87,7 +91,9 @@ class DecoderModel:
     ) -> torch.Tensor:  # [B, vocab] float32
         fused = self.fused and hasattr(attn, "attend")
         step = Step(positions, meta, cache, attn, fused)
-        res = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        tp = self.tp
+        # the residual stream, updated in place
+        res = F.embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         if self.embed_scale is not None:
             res = res * self.embed_scale
         delta: torch.Tensor | None = None  # the last MLP output, added before the next norm
@@ -105,7 +111,10 @@ class DecoderModel:
                 delta = self._add_norm(delta, layer.post_mlp_norm, None, fused)
         assert delta is not None
         last = res[logits_indices] + delta[logits_indices]
-        logits = self.lm_head(self._add_norm(last, self.norm, None, fused)).float()
+        logits = self.lm_head(self._add_norm(last, self.norm, None, fused))
+        if tp is not None:
+            logits = tp.gather_logits(logits)
+        logits = logits.float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

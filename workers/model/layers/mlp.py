@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvserve.workers.model.layers.parallel import ReducedLinear
 from kvserve.workers.model.quant_linear import Linear
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -25,7 +26,10 @@ class MLP(Protocol):
 class GatedMLP:
     """down(act(gate(x)) * up(x)), gate and up in one matmul ([gate | up] rows)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, intermediate: int, act: str = "silu") -> None:
+    def __init__(self, gate_up: Linear, down: Linear | ReducedLinear, intermediate: int,
+                 act: str = "silu") -> None:
+        """`intermediate`: the width of gate (and of up) in `gate_up`; a tensor-parallel
+        rank's share of the model's."""
         if act not in ACTIVATIONS:
             raise ValueError(f"unknown MLP activation {act!r}")
         self.gate_up = gate_up

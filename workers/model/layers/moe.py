@@ -20,6 +20,8 @@ Two ways to run the experts, chosen by the device (`kernel`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +33,10 @@ from kvserve.workers.model.quant_linear import Linear
 
 class SparseMoE:
     def __init__(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                 renormalize: bool, experts: list[GatedMLP]) -> None:
+                 renormalize: bool, experts: list[GatedMLP],
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`reduce`: a tensor-parallel rank's experts hold its share of every expert's width,
+        so their outputs are partial sums, added over the ranks once per block."""
         self.router = router  # [E, H]
         self.w13 = w13  # [E, 2F, H]: each expert's [gate | up] rows
         self.w2 = w2  # [E, H, F]
@@ -40,6 +45,7 @@ class SparseMoE:
         self.experts = experts  # views of w13 / w2 (with quantized rows where loaded)
         self.num_experts = router.shape[0]
         self.kernel = router.is_cuda and _has_triton()
+        self.reduce = reduce
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers computes them."""
@@ -54,8 +60,10 @@ class SparseMoE:
         if self.kernel:
             from kvserve.workers.model.triton_moe import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, weights, ids)
-        return self.grouped(x, weights, ids)
+            out = fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            out = self.grouped(x, weights, ids)
+        return out if self.reduce is None else self.reduce(out)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each active expert once over the rows routed to it."""
@@ -84,7 +92,7 @@ def build_moe(w: Weights, layer: int) -> SparseMoE:
     gate, up = w.get(p + "experts.gate_proj.weight"), w.get(p + "experts.up_proj.weight")
     w13 = torch.cat([gate, up], dim=1).contiguous()
     w2 = w.get(p + "experts.down_proj.weight").contiguous()
-    f = cfg.moe_intermediate_size
+    f = w.part(cfg.moe_intermediate_size)  # a tensor-parallel rank's share of each expert
     experts = []
     for e in range(cfg.num_experts):
         q = f"{p}experts.{e}."
@@ -93,7 +101,7 @@ def build_moe(w: Weights, layer: int) -> SparseMoE:
         down = Linear(w2[e], None, w.qw.get(q + "down_proj.weight"), w.lib)
         experts.append(GatedMLP(gate_up, down, f, "silu"))
     return SparseMoE(w.get(p + "gate.weight"), w13, w2, cfg.num_experts_per_tok,
-                     cfg.norm_topk_prob, experts)
+                     cfg.norm_topk_prob, experts, None if w.tp is None else w.reduce)
 
 
 def _has_triton() -> bool:

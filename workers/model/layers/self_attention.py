@@ -11,6 +11,7 @@ from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from kvserve.workers.model.layers.norm import RMSNorm
+from kvserve.workers.model.layers.parallel import ReducedLinear
 from kvserve.workers.model.layers.rope import RotaryEmbedding
 from kvserve.workers.model.quant_linear import Linear
 
@@ -35,15 +36,18 @@ class Step:
 
 
 class SelfAttention:
-    def __init__(self, layer: int, cfg: ModelConfig, qkv: Linear, o: Linear, rope: RotaryEmbedding,
-                 spec: LayerAttention, q_norm: RMSNorm | None = None,
-                 k_norm: RMSNorm | None = None) -> None:
+    def __init__(self, layer: int, cfg: ModelConfig, qkv: Linear, o: Linear | ReducedLinear,
+                 rope: RotaryEmbedding, spec: LayerAttention, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None, heads: tuple[int, int] | None = None) -> None:
+        """`heads`: (query, KV) heads this rank computes (a tensor-parallel shard's);
+        default: all of the model's."""
         self.layer = layer
         self.qkv, self.o = qkv, o
         self.rope = rope
         self.spec = spec
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hq, self.hkv = heads or (cfg.num_heads, cfg.num_kv_heads)
+        self.d = cfg.head_dim
         self.q_size = self.hq * self.d
         self.kv_size = self.hkv * self.d
 

@@ -8,20 +8,41 @@ from kvserve.errors import ModelLoadError
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.quant_format import QuantizedWeight, concat_rows
 from kvserve.workers.model.layers.norm import RMSNorm
+from kvserve.workers.model.layers.parallel import ReducedLinear, TensorParallel
 from kvserve.workers.model.quant_linear import Linear
 
 
 class Weights:
     """Weights on the model's device and dtype, with the raw GGUF blocks the CPU kernel
-    reads (`quantized`, float32 CPU runs only; `lib` is that kernel or None)."""
+    reads (`quantized`, float32 CPU runs only; `lib` is that kernel or None).
+
+    A tensor-parallel rank's (`tp`) tensors are its shards as loaded: fused linears of them
+    are its part of the fused matmul, row-parallel ones add the ranks' sums, the LM head's
+    rows are padded to the same count on every rank (for the gather)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
-                 lib: object | None) -> None:
+                 lib: object | None, tp: TensorParallel | None = None) -> None:
         self.cfg = cfg
         self.w = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
         self.qw = quantized or {}
         self.lib = lib
+        self.tp = tp
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) this rank computes."""
+        if self.tp is None:
+            return self.cfg.num_heads, self.cfg.num_kv_heads
+        return self.tp.layout.num_heads, self.tp.layout.num_kv_heads
+
+    def part(self, width: int) -> int:
+        """This rank's share of a width split across the ranks (an MLP's intermediate)."""
+        return width if self.tp is None else width // self.tp.layout.size
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial results over the ranks (in place); the identity on one device."""
+        return x if self.tp is None else self.tp.group.all_reduce(x)
 
     def __contains__(self, name: str) -> bool:
         return name in self.w
@@ -32,14 +53,34 @@ class Weights:
         except KeyError:
             raise ModelLoadError(f"{self.cfg.name or 'model'}: missing weight {name}") from None
 
-    def linear(self, *names: str, bias: tuple[str, ...] | None = None) -> Linear:
+    def linear(self, *names: str, bias: tuple[str, ...] | None = None) -> Linear | ReducedLinear:
         """One matmul for the weights `names` stacked by rows (e.g. q, k, v), with the
         concatenated biases `bias` if given."""
         weight = self.get(names[0]) if len(names) == 1 else torch.cat([self.get(n) for n in names])
         b = None
         if bias is not None:
             b = torch.cat([self.get(n) for n in bias])
-        return Linear(weight, b, concat_rows([self.qw.get(n) for n in names]), self.lib)
+        quant = concat_rows([self.qw.get(n) for n in names])
+        tp = self.tp
+        if tp is None:
+            return Linear(weight, b, quant, self.lib)
+        layout = tp.layout
+        if layout.vocab_parallel(names[0]) and weight.shape[0] < layout.vocab_per_rank:
+            weight, quant = _pad_rows(weight, quant, layout.vocab_per_rank)
+        linear = Linear(weight, b, quant, self.lib)
+        return ReducedLinear(linear, tp.group) if layout.row_parallel(names[0]) else linear
 
     def norm(self, name: str) -> RMSNorm:
         return RMSNorm(self.get(name), self.cfg.rms_norm_eps, self.cfg.norm_offset)
+
+
+def _pad_rows(weight: torch.Tensor, quant: QuantizedWeight | None,
+              rows: int) -> tuple[torch.Tensor, QuantizedWeight | None]:
+    """Zero rows up to `rows` (the last rank's vocabulary slice is the short one; zero ggml
+    blocks dequantize to zeros too)."""
+    extra = rows - weight.shape[0]
+    weight = torch.cat([weight, weight.new_zeros((extra, weight.shape[1]))])
+    if quant is not None:
+        data = torch.cat([quant.data, quant.data.new_zeros((extra, quant.data.shape[1]))])
+        quant = QuantizedWeight(quant.qtype, data, (rows, quant.shape[1]))
+    return weight, quant

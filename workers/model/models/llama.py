@@ -54,13 +54,13 @@ class LlamaForCausalLM(DecoderModel):
         if self.cfg.qk_norm:
             q_norm, k_norm = w.norm(a + "q_norm.weight"), w.norm(a + "k_norm.weight")
         return SelfAttention(i, self.cfg, qkv, w.linear(a + "o_proj.weight"), self.rope(i),
-                             self.spec(i), q_norm, k_norm)
+                             self.spec(i), q_norm, k_norm, heads=w.heads)
 
     def mlp(self, w: Weights, i: int) -> MLP:
         p = f"model.layers.{i}.mlp."
         gate_up = w.linear(p + "gate_proj.weight", p + "up_proj.weight")
-        return GatedMLP(gate_up, w.linear(p + "down_proj.weight"), self.cfg.intermediate_size,
-                        self.cfg.hidden_act)
+        return GatedMLP(gate_up, w.linear(p + "down_proj.weight"),
+                        w.part(self.cfg.intermediate_size), self.cfg.hidden_act)
 
     def layer(self, w: Weights, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."

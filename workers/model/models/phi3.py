@@ -15,9 +15,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def attention(self, w: Weights, i: int) -> SelfAttention:
         a = f"model.layers.{i}.self_attn."
         return SelfAttention(i, self.cfg, w.linear(a + "qkv_proj.weight"),
-                             w.linear(a + "o_proj.weight"), self.rope(i), self.spec(i))
+                             w.linear(a + "o_proj.weight"), self.rope(i), self.spec(i),
+                             heads=w.heads)
 
     def mlp(self, w: Weights, i: int) -> MLP:
         p = f"model.layers.{i}.mlp."
         return GatedMLP(w.linear(p + "gate_up_proj.weight"), w.linear(p + "down_proj.weight"),
-                        self.cfg.intermediate_size, self.cfg.hidden_act)
+                        w.part(self.cfg.intermediate_size), self.cfg.hidden_act)

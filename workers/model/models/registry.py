@@ -11,6 +11,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.quant_format import QuantizedWeight
 from kvserve.workers.model.layers.decoder import DecoderModel
+from kvserve.workers.model.layers.parallel import TensorParallel
 from kvserve.workers.model.layers.weights import Weights
 from kvserve.workers.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.workers.model.models.gemma3 import Gemma3ForCausalLM
@@ -42,7 +43,10 @@ def build_model(
     max_positions: int,
     quantized: dict[str, QuantizedWeight] | None = None,
     quantized_decode: bool = True,
+    tp: TensorParallel | None = None,
 ) -> DecoderModel:
+    """The family's model over `weights`; with `tp`, a tensor-parallel rank's (its shards of
+    the weights, as the loader read them for its rank)."""
     family = FAMILIES.get(cfg.architecture)
     if family is None:
         raise ModelLoadError(f"{cfg.name or 'model'}: no model family for {cfg.architecture!r}")
@@ -53,5 +57,7 @@ def build_model(
         from kvserve.workers.model.cpu_kernels import load_qgemv
 
         lib = load_qgemv()
-    w = Weights(cfg, weights, device, dtype, quantized, lib)
-    return family(cfg, w, device, dtype, max_positions)
+    w = Weights(cfg, weights, device, dtype, quantized, lib, tp)
+    model = family(cfg, w, device, dtype, max_positions)
+    model.tp = tp
+    return model
