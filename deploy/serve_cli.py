@@ -194,6 +194,14 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         print("kvserve: stopped", flush=True)
         _exit_now(0)
 
+    # First, before any process-wide state (signal handlers, subreaper): a model name that
+    # does not resolve is the first error to hear about. A signal during a download meets
+    # Python's default handlers; nothing else has started.
+    try:
+        _resolve_tokenizer(cfg)
+    except KeyboardInterrupt:
+        print("kvserve: stopped", flush=True)
+        return 0
     signals = StopSignals(stuck)  # before anything starts: nothing may come up unstoppable
     become_subreaper()
     keep_ray_local(ray_host)  # before Ray is imported (it reads the setting then)
@@ -204,12 +212,6 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
           flush=True)
     ray_init = {} if joining else {"include_dashboard": True, "dashboard_port": dashboard_port
                                    or _free_port(), "_metrics_export_port": metrics_port or None}
-    try:
-        with signals.interrupting():
-            _resolve_tokenizer(cfg)
-    except KeyboardInterrupt:  # stopped while the tokenizer downloads: nothing else started
-        print("kvserve: stopped", flush=True)
-        _exit_now(0)
     try:
         with signals.interrupting():
             with signals.kept():

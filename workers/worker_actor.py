@@ -396,6 +396,8 @@ class WorkerActor(StreamMoves, TokenBatches):
 
 def _gpu_ids() -> list[str]:
     """The GPUs Ray gave this actor (none outside Ray or on CPU)."""
+    if not ray.is_initialized():  # in-process: ray.get_gpu_ids() would start a Ray
+        return []
     try:
         return [str(g) for g in ray.get_gpu_ids()]
     except Exception:
