@@ -242,11 +242,21 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
 
 
 def _resolve_tokenizer(cfg: ServeConfig) -> None:
-    """A Hub name the Hub does not know (or gated, or unreachable) fails here in one line;
-    the ingress then finds the tokenizer in the cache, the workers fetch the weights."""
+    """A Hub name the Hub does not know (or gated, or unreachable), or a tensor-parallel size
+    its model cannot take, fails here in one line; the ingress then finds the tokenizer in the
+    cache, the workers fetch the weights."""
     from kvserve.models import resolve_model
 
-    resolve_model(cfg.model, tokenizer_only=True)
+    path = resolve_model(cfg.model, tokenizer_only=True)
+    if cfg.tensor_parallel_size > 1:  # a size the model cannot split: refused before Ray starts
+        from kvserve.workers.loading.loader import read_model_config
+        from kvserve.workers.loading.sharding import check_tensor_parallel
+
+        try:
+            model_config = read_model_config(path)
+        except Exception:  # (a partial download, say): the workers load it and report
+            return
+        check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
 
 
 def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:

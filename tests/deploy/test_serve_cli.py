@@ -159,3 +159,17 @@ def test_tensor_parallel_size_reaches_the_engine_and_the_gpus_add_up():
         ServeConfig(tensor_parallel_size=4, engine={"tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="num_cpus_per_worker must be > 0"):
         ServeConfig(tensor_parallel_size=2, num_cpus_per_worker=0)
+
+
+def test_serve_refuses_a_size_the_model_cannot_split_before_ray_starts(capsys):
+    import sys
+
+    from kvserve.cli import main
+
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    # the default model has 9 attention heads
+    assert main(["serve", "--tensor-parallel-size", "2", "--gpus-per-worker", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvserve: error: ") and "\n" not in err
+    assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in err
+    assert ray_was_up == ("ray" in sys.modules and sys.modules["ray"].is_initialized())
