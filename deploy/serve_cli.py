@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
 from kvserve.deploy.serve_stop import (
+    SIGNALS,
     OwnRay,
     StopSignals,
     become_subreaper,
@@ -194,14 +196,14 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         print("kvserve: stopped", flush=True)
         _exit_now(0)
 
-    # First, before any process-wide state (signal handlers, subreaper): a model name that
-    # does not resolve is the first error to hear about. A signal during a download meets
-    # Python's default handlers; nothing else has started.
+    # First, before the process-wide state below (stop handlers, subreaper): a model name
+    # that does not resolve is the first error to hear about, and leaves nothing installed.
     try:
-        _resolve_tokenizer(cfg)
-    except KeyboardInterrupt:
+        with _interrupted_by_signals():
+            _resolve_tokenizer(cfg)
+    except KeyboardInterrupt:  # stopped while the tokenizer downloads: nothing else started
         print("kvserve: stopped", flush=True)
-        return 0
+        _exit_now(0)  # (not waiting for the download's threads)
     signals = StopSignals(stuck)  # before anything starts: nothing may come up unstoppable
     become_subreaper()
     keep_ray_local(ray_host)  # before Ray is imported (it reads the setting then)
@@ -239,6 +241,25 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
     print("kvserve: stopped", flush=True)
     _exit_now(0)
     return 0
+
+
+@contextlib.contextmanager
+def _interrupted_by_signals() -> Iterator[None]:
+    """SIGTERM, like SIGINT, raises KeyboardInterrupt inside the block; the handlers from
+    before come back after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signal handlers can only be set from the main thread)
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    before = {s: signal.signal(s, interrupt) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def _resolve_tokenizer(cfg: ServeConfig) -> None:

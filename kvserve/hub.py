@@ -287,9 +287,12 @@ def _download(hub: HubModel, sha: str, storage: str, files: list[Any],
     try:
         if poller:
             poller.start()
-        with ThreadPoolExecutor(min(MAX_PARALLEL_FILES, len(todo))) as pool:
+        pool = ThreadPoolExecutor(min(MAX_PARALLEL_FILES, len(todo)))
+        try:
             for future in [pool.submit(one, f) for f in todo]:
                 future.result()
+        finally:  # a signal (KeyboardInterrupt) does not wait for the transfers under way
+            pool.shutdown(wait=False, cancel_futures=True)
     finally:
         if poller:
             poller.stop()

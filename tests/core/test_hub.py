@@ -226,6 +226,33 @@ def test_cli_prints_one_line(hub, capsys):
     assert ray_loaded == ("ray" in sys.modules and sys.modules["ray"].is_initialized())
 
 
+def test_serve_stopped_while_the_tokenizer_downloads(hub, tiny_files, tmp_path):
+    """SIGTERM while `kvserve serve` fetches the tokenizer (the download held mid-file): it
+    stops at once with status 0, nothing else started, not waiting for the transfer."""
+    import signal
+    import subprocess
+    import sys
+
+    hub.add_commit("org/tiny", tiny_files)
+    hold = hub.holds["tokenizer.json"] = Hold(at=len(tiny_files["tokenizer.json"]) // 2)
+    env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", "org/tiny",
+         "--gpus-per-worker", "0", "--http-port", str(_closed_port()),
+         "--grpc-port", str(_closed_port()), "--metrics-port", "0", "--dashboard-port", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert hold.reached.wait(120), "the tokenizer's download never started"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)  # the hold is still on: it must not wait for it
+    finally:
+        hold.release.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert out.rstrip().endswith("kvserve: stopped") and "starting Ray" not in out, out
+
+
 # ---- GGUF ---------------------------------------------------------------------------------
 
 
