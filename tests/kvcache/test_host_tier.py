@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_runs import run_to_end
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -102,13 +103,10 @@ def test_host_pool_too_small_recomputes_exactly_the_missing_part(tiny_path, refe
     host = eng.kv.host
     assert host is not None and host.num_blocks == host_blocks
     ids = [eng.add_request(p, greedy(m)) for p, m in zip(prompts, max_tokens, strict=True)]
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                got[o.request_id] = o.token_ids
-        eng.check_invariants()
+    def host_within_bounds(eng: LLMEngine) -> None:
         assert host.num_used <= host_blocks
+
+    got = run_to_end(eng, host_within_bounds)
     assert [got[i] for i in ids] == want
     s = eng.stats()
     assert s["evictions"] > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from engine_runs import run_to_end
 from tiny_models import tiny_model_path
 
 from kvserve import LLM, SamplingParams
@@ -33,14 +34,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
 
-def run_all(eng: LLMEngine) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                got[o.request_id] = o.token_ids
-        eng.check_invariants()
-    return got
+run_all = run_to_end
 
 
 def assert_clean(eng: LLMEngine) -> None:

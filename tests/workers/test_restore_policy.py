@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from engine_runs import run_to_end
 from tiny_models import tiny_model_path
 
 from kvserve import LLM, SamplingParams
@@ -69,14 +70,7 @@ def pin(cost: RestoreCost, copy_cheaper: bool) -> None:
 
 def run(eng: LLMEngine, prompts: list[list[int]], on_step=None) -> list[list[int]]:
     ids = [eng.add_request(p, GREEDY) for p in prompts]
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                got[o.request_id] = o.token_ids
-        eng.check_invariants()
-        if on_step is not None:
-            on_step(eng)
+    got = run_to_end(eng, on_step)
     return [got[i] for i in ids]
 
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from engine_runs import run_to_end
 from tiny_models import make_tiny_hf_model
 
 from kvserve import LLM, SamplingParams
@@ -53,16 +54,15 @@ def test_outputs_past_the_window_and_blocks_released(mistral, prompts_and_ref) -
     for i, ids in enumerate(prompts):
         eng.add_request(ids, _greedy(), f"r{i}")
     most_live = 0
-    got: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                got[o.request_id] = o.token_ids
-        eng.check_invariants()
+
+    def window_held(eng) -> None:
+        nonlocal most_live
         for s in eng.kv.streams.values():
             # the window's keys span at most ceil(16 / 4) + 1 blocks, plus the step's new one
             most_live = max(most_live, len(s.live_blocks))
             assert s.num_dropped == max(0, (s.num_computed - WINDOW + 1) // BS)
+
+    got = run_to_end(eng, window_held)
     assert [got[f"r{i}"] for i in range(len(prompts))] == ref
     assert most_live <= -(-WINDOW // BS) + 2
     stats = eng.stats()
