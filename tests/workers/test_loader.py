@@ -86,11 +86,10 @@ def assert_config_matches(loaded: LoadedModel, hf_config: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[LoadedModel, dict[str, torch.Tensor], object]:
-    path = default_model()
-    loaded = load_model(path)
-    reference, hf_config = hf_state_dict(*os.path.split(path))
-    return loaded, reference, hf_config
+def smollm2(hf_smol) -> tuple[LoadedModel, dict[str, torch.Tensor], object]:
+    # transformers' own load of the GGUF, shared with the greedy oracle (conftest.hf_smol)
+    loaded = load_model(default_model())
+    return loaded, hf_smol.state_dict(), hf_smol.config
 
 
 def test_smollm2_gguf_matches_transformers(smollm2) -> None:
