@@ -11,6 +11,8 @@ from kvserve.config import EngineConfig
 from kvserve.router.config import RouterConfig
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
+# where `kvserve serve` starts Serve's proxies unless told otherwise
+DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_HTTP_HOST = 9000, 8000, "127.0.0.1"
 
 
 class ServeConfig(BaseModel):
@@ -39,9 +41,12 @@ class ServeConfig(BaseModel):
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
                     "num_threads defaults to the node's cores divided by num_workers",
     )
-    grpc_port: int = Field(9000, ge=0, le=65535)
-    http_port: int = Field(8000, ge=0, le=65535)
-    http_host: str = "127.0.0.1"
+    # Serve's proxies own these: `kvserve serve` starts them so (None: 9000, 8000, 127.0.0.1);
+    # under `serve run` / `serve deploy` the config file's grpc_options / http_options do, and
+    # a value here that differs is refused at start (deploy/proxy_options.py)
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="gRPC proxy port")
+    http_port: int | None = Field(None, ge=0, le=65535, description="HTTP proxy port")
+    http_host: str | None = Field(None, description="HTTP proxy bind address")
     api_keys: list[str] = Field(
         default_factory=list, description=f"accepted API keys; empty = no auth (also ${API_KEYS_ENV})"
     )
@@ -104,6 +109,15 @@ class ServeConfig(BaseModel):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
 
+    @field_validator("routing_policy")
+    @classmethod
+    def _check_policy(cls, v: str) -> str:
+        from kvserve.router.policy import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"routing_policy {v!r} is not one of {', '.join(sorted(POLICIES))}")
+        return v
+
     @field_validator("engine")
     @classmethod
     def _check_engine(cls, v: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +143,14 @@ class ServeConfig(BaseModel):
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
         return self.router_config().worker_engine(node_cores)
+
+    def with_proxy_defaults(self) -> ServeConfig:
+        """This config with the proxies' settings `kvserve serve` uses where unset."""
+        return self.model_copy(update={
+            "grpc_port": DEFAULT_GRPC_PORT if self.grpc_port is None else self.grpc_port,
+            "http_port": DEFAULT_HTTP_PORT if self.http_port is None else self.http_port,
+            "http_host": DEFAULT_HTTP_HOST if self.http_host is None else self.http_host,
+        })
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(

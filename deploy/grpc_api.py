@@ -288,13 +288,15 @@ class GrpcFrontend:
                 reconciled_slots=w["reconciled_slots"], state=w["state"],
                 load_seconds=w["load_s"], host_tier=pb.HostTierInfo(**w["host_tier"]),
                 tensor_parallel_size=w["tensor_parallel_size"], devices=w["devices"],
+                runtime=w.get("runtime", {}),
             )
             for w in info["workers"]
         ]
         return pb.GetServerInfoResponse(version="0.1.0", model=svc.model_name, workers=workers,
                                         routing_policy=info["routing_policy"],
                                         metrics_port=info["ray"]["metrics_port"],
-                                        dashboard_url=info["ray"]["dashboard_url"])
+                                        dashboard_url=info["ray"]["dashboard_url"],
+                                        max_model_len=svc.max_model_len)
 
     async def DrainWorker(
         self, request: pb.DrainWorkerRequest, grpc_context: Any

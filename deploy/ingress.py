@@ -16,6 +16,7 @@ from kvserve.deploy import openai_api as oa
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.grpc_api import GrpcFrontend
+from kvserve.deploy.proxy_options import check_proxies
 from kvserve.deploy.service import Service
 from kvserve.deploy.shutdown import ShutdownWatch
 from kvserve.router.lifecycle import ON_HEAD
@@ -62,7 +63,9 @@ async def _auth(request: Request, call_next: Any) -> Any:
 @serve.ingress(app)
 class KVServeIngress(GrpcFrontend):
     async def __init__(self, config: dict[str, Any]) -> None:
-        self.service = Service(ServeConfig(**config))
+        cfg = ServeConfig(**config)
+        await check_proxies(cfg)  # ports the proxies do not use are refused, not ignored
+        self.service = Service(cfg)
         auth.set_keys(self.service.api_keys)
         metrics.start(self.service.model_name)
         limits.set_max_request_bytes(self.service.cfg.max_request_bytes)

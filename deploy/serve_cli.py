@@ -98,6 +98,8 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
+    cfg = cfg.with_proxy_defaults()
+
     if start_timeout_s is None:
         start_timeout_s = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     deadline = time.monotonic() + start_timeout_s
@@ -189,6 +191,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
                   dashboard_port: int = DEFAULT_DASHBOARD_PORT) -> int:
     """`kvserve serve`: start, print where everything is, serve until SIGTERM / SIGINT, stop
     (see deploy/serve_stop.py). Returns 0 when stopped by a signal, whenever it came."""
+    cfg = cfg.with_proxy_defaults()
     ports = [cfg.http_port, cfg.grpc_port]
 
     def stuck() -> None:  # a signal the main thread, stuck in Ray's start, cannot take
@@ -267,17 +270,20 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     its model cannot take, fails here in one line; the ingress then finds the tokenizer in the
     cache, the workers fetch the weights."""
     from kvserve.models import resolve_model
+    from kvserve.workers.loading.loader import read_model_config
+    from kvserve.workers.loading.sharding import check_tensor_parallel
+    from kvserve.workers.model.runner import context_limit
 
     path = resolve_model(cfg.model, tokenizer_only=True)
-    if cfg.tensor_parallel_size > 1:  # a size the model cannot split: refused before Ray starts
-        from kvserve.workers.loading.loader import read_model_config
-        from kvserve.workers.loading.sharding import check_tensor_parallel
-
-        try:
-            model_config = read_model_config(path)
-        except Exception:  # (a partial download, say): the workers load it and report
-            return
+    try:
+        model_config = read_model_config(path)
+    except Exception:  # (a partial download, say): the workers load it and report
+        return
+    # a size the model cannot split, or a max_model_len the KV pool cannot hold: refused
+    # before Ray starts
+    if cfg.tensor_parallel_size > 1:
         check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
+    context_limit(model_config, cfg.engine_config())
 
 
 def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
@@ -377,7 +383,9 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
     from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
 
     ray_ep = ray_endpoints()
-    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)")
+    context = _served_context(cfg)
+    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)"
+          + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
     print(f"  gRPC       {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} "
           "--prompt ...)")
     print(f"  HTTP       {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
@@ -386,6 +394,20 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
         auth = f"   ({token_hint()})" if ray_ep.token_auth else ""
         print(f"  dashboard  {ray_ep.dashboard_url}{auth}")
     print("Ctrl-C to stop", flush=True)
+
+
+def _served_context(cfg: ServeConfig) -> int | None:
+    """The context the workers serve (the model's, or less where the KV pool holds less)."""
+    import ray
+
+    from kvserve.router.lifecycle import find_router
+
+    try:
+        router = find_router(cfg.router_name)
+        info = ray.get(router.server_info.remote(), timeout=10) if router is not None else {}
+        return int(info["model_info"]["max_model_len"])
+    except Exception:  # (the banner goes without it)
+        return None
 
 
 def _joining() -> bool:
@@ -457,7 +479,16 @@ def add_serve_parser(sub: Any) -> None:
                         "(then UNAVAILABLE / 503)")
     e = s.add_argument_group("engine")
     e.add_argument("--kv-cache-tokens", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output; default: the model's context, or less where "
+                        "the KV pool holds less for one stream (a larger value is refused)")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
+    e.add_argument("--host-cache-gib", type=float, default=None,
+                   help="host-memory KV tier per worker (0 = off; default: 20%% of the RAM "
+                        "available, at most 4 GiB; set it when several workers share a machine)")
+    e.add_argument("--host-restore-policy", choices=["cost", "copy", "recompute"], default=None,
+                   help="how a parked stream's KV comes back: by copy or recomputed, whichever "
+                        "the measured costs say is cheaper (cost, the default), or always one way")
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
@@ -476,7 +507,8 @@ def config_from_args(a: Any) -> ServeConfig:
     engine = {k: v for k, v in {
         "kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
         "max_num_seqs": a.max_num_seqs, "num_threads": a.threads,
-        "dtype": a.dtype}.items() if v is not None}
+        "dtype": a.dtype, "block_size": a.block_size, "host_cache_gib": a.host_cache_gib,
+        "host_restore_policy": a.host_restore_policy}.items() if v is not None}
     gpus = a.gpus_per_worker
     if gpus is None:
         import torch

@@ -177,8 +177,8 @@ class Service:
         if n >= self.max_model_len:
             raise ServiceError(
                 "invalid",
-                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens and "
-                "at least one must be left for the output",
+                f"prompt has {n} tokens; the context is {self.max_model_len} tokens "
+                "(max_model_len) and at least one must be left for the output",
             )
         if sampling.get("max_tokens") is None:
             sampling["max_tokens"] = default_max_tokens or (self.max_model_len - n)
@@ -195,8 +195,9 @@ class Service:
         if n + params.max_tokens > self.max_model_len:
             raise ServiceError(
                 "invalid",
-                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the model's "
-                f"context of {self.max_model_len} tokens",
+                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens is "
+                f"{n + params.max_tokens}, more than the context of {self.max_model_len} tokens "
+                "(max_model_len)",
             )
         rid = request_id or f"req-{uuid.uuid4().hex}"
         return GenRequest(rid, prompt_ids, params, session_id or None)
@@ -373,6 +374,7 @@ class Service:
                            "pick_waits": self.waits, **self.tokens.info()}
         ray_ep = await asyncio.to_thread(known_ray_endpoints)
         info["ray"] = {"dashboard_url": ray_ep.dashboard_url, "metrics_port": ray_ep.metrics_port}
+        info["max_model_len"] = self.max_model_len
         return info
 
 

@@ -9,6 +9,11 @@ from typing import Any
 DEFAULT_SYSTEM = None
 
 
+# the flags of _engine_args (their argparse names)
+ENGINE_FLAGS = ("model", "kv_cache_tokens", "block_size", "dtype", "device", "max_model_len",
+                "threads", "tensor_parallel_size")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     from kvserve.models import MODEL_HELP
@@ -91,7 +96,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     params = _params(a)
     if a.server:  # stream from a running server over gRPC instead of loading the model here
+        from kvserve.errors import ConfigError
         from kvserve.grpc_client import cmd_generate_remote
+
+        engine_flags = [f"--{k.replace('_', '-')}" for k, v in vars(a).items()
+                        if k in ENGINE_FLAGS and v is not None]
+        if engine_flags:  # the server's engine is set where it was started
+            raise ConfigError(f"{', '.join(engine_flags)} set the engine of an offline run and "
+                              f"cannot apply to the running server at {a.server}: drop them, or "
+                              "give them to its `kvserve serve`")
 
         return cmd_generate_remote(a, params.model_dump(exclude_defaults=True) | {
             "max_tokens": params.max_tokens, "temperature": params.temperature})

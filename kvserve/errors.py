@@ -16,6 +16,10 @@ class InvalidRequestError(KVServeError, ValueError):
     """A request's parameters or prompt are invalid (maps to HTTP 400 / INVALID_ARGUMENT)."""
 
 
+class ConfigError(KVServeError, ValueError):
+    """A setting that cannot be honoured as given; the message names it and the ways out."""
+
+
 class OutOfKVCacheError(KVServeError):
     """A request alone needs more KV blocks than the whole device pool holds."""
 

@@ -325,7 +325,7 @@ class HostTierInfo(_message.Message):
     def __init__(self, restore_policy: _Optional[str] = ..., copy_gbps_d2h: _Optional[float] = ..., copy_gbps_h2d: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., restores: _Optional[_Mapping[str, int]] = ..., writebacks_skipped: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier", "tensor_parallel_size", "devices")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier", "tensor_parallel_size", "devices", "runtime")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,13 @@ class WorkerInfo(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RuntimeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +358,7 @@ class WorkerInfo(_message.Message):
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     running: int
@@ -369,23 +377,26 @@ class WorkerInfo(_message.Message):
     host_tier: HostTierInfo
     tensor_parallel_size: int
     devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    runtime: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., runtime: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url")
+    __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url", "max_model_len")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     DASHBOARD_URL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     version: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     routing_policy: str
     metrics_port: int
     dashboard_url: str
-    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., metrics_port: _Optional[int] = ..., dashboard_url: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., metrics_port: _Optional[int] = ..., dashboard_url: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "timeout_s")

@@ -36,6 +36,7 @@ class WorkerView:
     incarnation: str = ""
     node_id: str = ""  # the Ray node the worker's current incarnation runs on
     devices: list[str] = field(default_factory=list)  # one per tensor-parallel rank
+    runtime: dict[str, str] = field(default_factory=dict)  # attention, linears, CUDA graphs
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 

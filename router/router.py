@@ -309,6 +309,7 @@ class RouterActor:
         v.held_host = set(load["held"].get("host", ()))
         v.stats = load["stats"]
         v.devices = load.get("devices", [])
+        v.runtime = load.get("runtime", {})
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
         self._reconcile(v, set(load.get("slots", ())), now)
@@ -365,7 +366,8 @@ class RouterActor:
                  "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases,
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
                  "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s,
-                 "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices}
+                 "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
+                 "runtime": v.runtime}
                 for v in self.views
             ],
         }

@@ -321,6 +321,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "held": self.engine.engine.held_block_hashes(),
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
             "devices": self._devices,
+            "runtime": self.engine.engine.runner.runtime,
         }
 
     def info(self) -> dict[str, Any]:

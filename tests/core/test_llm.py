@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.errors import ConfigError, InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -114,10 +114,30 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(smol_llm: LLM):
     assert_idle(smol_llm)
 
 
-def test_prompt_larger_than_cache(smol_path):
+def test_context_is_what_the_kv_pool_holds_for_one_stream(smol_path):
+    """A pool smaller than the model's context is the engine's context: a longer prompt is
+    refused up front naming both numbers, and a stream alone may fill the whole pool (the
+    others give way), finishing "length" only there."""
     llm = LLM(smol_path, kv_cache_tokens=64, block_size=16)
-    with pytest.raises(OutOfKVCacheError, match="KV blocks"):
+    assert llm.engine.max_model_len == 64  # the model's own is 8192
+    with pytest.raises(InvalidRequestError, match=r"prompt has 100 tokens; the context is 64 "
+                       r"tokens \(what this engine's KV pool holds for one stream; the "
+                       r"model's own is 8192\)"):
         llm.generate(list(range(100, 200)), GREEDY)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([list(range(100, 130)), list(range(300, 310))], [long, short])
+    assert [len(o.token_ids) for o in outs] == [34, 8]  # 30 + 34 = 64: the context
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert_idle(llm)
+
+
+def test_a_max_model_len_the_pool_cannot_hold_is_refused(smol_path):
+    with pytest.raises(ConfigError, match=r"max_model_len=128 is more than this engine's device "
+                       r"KV pool holds for one stream \(64 tokens"):
+        LLM(smol_path, kv_cache_tokens=64, block_size=16, max_model_len=128)
+    assert LLM(smol_path, kv_cache_tokens=64, block_size=16, max_model_len=48
+               ).engine.max_model_len == 48
 
 
 @pytest.mark.slow

@@ -109,6 +109,7 @@ class Run:
     after: Series
     names: set[str]  # every metric name of the final scrape (Ray's own included)
     model: str
+    scraped: Series = field(default_factory=dict)  # that final scrape, every series
     usages: list[tuple[int, int, int]] = field(default_factory=list)  # finished requests
     aborted: list[tuple[int, int, int]] = field(default_factory=list)  # as last seen
     aborted_max_tokens: int = 0
@@ -261,7 +262,8 @@ def run(serve_app) -> Run:
                 and not any(r.now(f"{P}kv_device_blocks_used")))
 
     r.after = settled(port, until=done, timeout=300)  # a dropped cancel runs to its end
-    r.names = {n for n, _ in scrape(port)}
+    r.scraped = scrape(port)
+    r.names = {n for n, _ in r.scraped}
     return r
 
 
@@ -326,7 +328,13 @@ def test_kv_counters_show_evictions_and_restores(run):
     assert blocks > 0
     per_block = run.total(f"{P}kv_restored_bytes_total") / blocks
     assert per_block > 0 and per_block == int(per_block)
-    assert run.total(f"{P}kv_recomputed_tokens_total") >= 0
+    # the counter follows the engine's own count, worker by worker (the run that must
+    # recompute is tests/workers/test_restore_policy.py: these engines copy by policy)
+    gauges = {dict(lab)["worker"]: v for (n, lab), v in run.scraped.items()
+              if n == "ray_kvserve_worker_tokens_recomputed"}
+    counters = {dict(lab)["worker"]: v for (n, lab), v in run.after.items()
+                if n == f"{P}kv_recomputed_tokens_total"}
+    assert set(counters) == {"worker-0", "worker-1"} and counters == gauges, (counters, gauges)
     assert run.total(f"{P}kv_host_copy_seconds_total", direction="d2h") > 0
     assert run.total(f"{P}kv_host_copy_seconds_total", direction="h2d") > 0
     # the app's engines copy by policy (serve_fixtures.ENGINE)

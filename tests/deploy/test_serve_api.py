@@ -50,6 +50,12 @@ def test_grpc_info_methods(serve_app, stub):
     assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
     assert all(w.total_device_blocks == 256 for w in info.workers)
     assert "kv_blocks_free" in info.workers[0].stats and info.routing_policy == "affinity"
+    assert info.max_model_len == 1024
+    # what each engine runs, as its start-up log says: the CPU kernels built on this host
+    for w in info.workers:
+        assert w.runtime["attention"] == "torch, decode in the C kernel", dict(w.runtime)
+        assert w.runtime["linears"].startswith("quantized blocks in the C kernel"), dict(w.runtime)
+        assert "cuda_graphs" not in w.runtime
     # the host tier's cost model: measured at each worker's start-up, every decision listed
     for w in info.workers:
         ht = w.host_tier
@@ -61,7 +67,9 @@ def test_grpc_info_methods(serve_app, stub):
                                  headers={"authorization": f"Bearer {serve_app.api_key}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         http = json.loads(r.read())
+    assert http["max_model_len"] == 1024
     for w in http["workers"]:
+        assert w["runtime"]["attention"] == "torch, decode in the C kernel"
         assert w["host_tier"]["restore_policy"] == "copy" and w["host_tier"]["prefill_tokens_per_s"] > 0
         assert set(w["host_tier"]["restores"]) == set(ht.restores)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,87 @@ def test_serve_refuses_a_size_the_model_cannot_split_before_ray_starts(capsys):
     assert err.startswith("kvserve: error: ") and "\n" not in err
     assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in err
     assert ray_was_up == ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+
+
+def test_serve_refuses_a_context_its_kv_pool_cannot_hold_before_ray_starts(capsys):
+    import sys
+
+    from kvserve.cli import main
+
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    assert main(["serve", "--max-model-len", "4096", "--kv-cache-tokens", "1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvserve: error: ") and "\n" not in err
+    assert "max_model_len=4096 is more than this engine's device KV pool holds for one " \
+           "stream (1024 tokens" in err
+    assert "--kv-cache-tokens" in err and "at most 1024" in err
+    assert ray_was_up == ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+
+
+def test_serve_takes_the_host_tier_and_block_settings():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.serve_cli import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["serve", "--host-cache-gib", "0.5", "--block-size", "32",
+         "--host-restore-policy", "recompute"]))
+    engine = cfg.engine_config()
+    assert (engine.host_cache_gib, engine.block_size, engine.host_restore_policy) == (
+        0.5, 32, "recompute")
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        build_parser().parse_args(["serve", "--host-restore-policy", "sometimes"])
+
+
+def test_a_misspelt_routing_policy_fails_with_the_config():
+    with pytest.raises(ValueError, match="routing_policy 'afinity' is not one of affinity, "
+                                         "least_loaded, round_robin"):
+        ServeConfig(routing_policy="afinity")
+
+
+def test_generate_with_server_refuses_engine_flags(capsys):
+    from kvserve.cli import main
+
+    assert main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi",
+                 "--kv-cache-tokens", "99", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-tokens, --tensor-parallel-size set the engine of an offline run" in err
+
+
+def test_app_port_settings_must_match_serves_proxies():
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from kvserve.deploy.proxy_options import mismatches
+
+    http, grpc_ = HTTPOptions(host="0.0.0.0", port=8000), gRPCOptions(port=9000)
+    assert mismatches(ServeConfig(), http, grpc_) == []  # unset: Serve's own
+    assert mismatches(ServeConfig(http_port=8000, grpc_port=9000, http_host="0.0.0.0"),
+                      http, grpc_) == []
+    bad = mismatches(ServeConfig(http_port=8001, grpc_port=9001, http_host="127.0.0.1"),
+                     http, grpc_)
+    assert bad == ["http_port=8001, but Serve's HTTP proxy listens on port 8000 "
+                   "(http_options.port)",
+                   "http_host='127.0.0.1', but Serve's HTTP proxy binds '0.0.0.0' "
+                   "(http_options.host)",
+                   "grpc_port=9001, but Serve's gRPC proxy listens on port 9000 "
+                   "(grpc_options.port)"]
+
+
+def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
+    """Deployed with Serve's own tools onto running proxies, an app whose http_port says
+    another port than Serve's HTTP proxy uses fails to start, naming Serve's setting."""
+    from ray import serve
+
+    from kvserve.deploy.app import build_app
+
+    cfg = serve_app.config.model_copy(update={"http_port": serve_app.http_port + 1,
+                                              "router_name": "kvserve-ports-router"})
+    try:
+        with pytest.raises(RuntimeError, match="Deploying application ports-mismatch failed"):
+            serve.run(build_app(cfg), name="ports-mismatch", route_prefix="/ports-mismatch")
+        # what `serve status` (and `serve run`'s log) says of the deployment
+        why = serve.status().applications["ports-mismatch"].deployments["KVServeIngress"].message
+        assert re.search(r"http_port=\d+, but Serve's HTTP proxy listens on port \d+ "
+                         r"\(http_options.port\)", why), why
+        assert "set the ports and host there" in why
+    finally:
+        serve.delete("ports-mismatch")

@@ -46,7 +46,13 @@ def test_least_loaded_spreads_ties_and_unknown_policy():
     assert sorted(picks) == [0, 0, 1, 1]
     views[1].inflight = 3
     assert pol.choose(views, RouteRequest([])).idx == 0
-    assert {make_policy("round_robin", 0).choose(views, RouteRequest([])).idx} <= {0, 1}
+    # round robin rotates over the workers whatever their load
+    rr = make_policy("round_robin", 0)
+    picks = [rr.choose(views, RouteRequest([])).idx for _ in range(6)]
+    assert picks in ([0, 1] * 3, [1, 0] * 3), picks
+    three = _views([5, 0, 2])
+    picks = [rr.choose(three, RouteRequest([])).idx for _ in range(6)]
+    assert sorted(picks[:3]) == [0, 1, 2] and picks[3:] == picks[:3], picks
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random", 0)
 

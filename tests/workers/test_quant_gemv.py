@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from kernels import require_kernel
 from tiny_models import make_tiny_hf_model
 
 from kvserve.config import EngineConfig
@@ -21,10 +22,7 @@ from kvserve.workers.model.runner import ModelRunner
 
 @pytest.fixture(scope="module")
 def lib():
-    lib = load_qgemv()
-    if lib is None:
-        pytest.skip("the C kernel cannot be built here")
-    return lib
+    return require_kernel("qgemv", load_qgemv())
 
 
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

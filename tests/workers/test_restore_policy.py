@@ -236,3 +236,47 @@ def test_worker_metrics_export_decisions_and_figures(monkeypatch):
     assert ("inc", "kvserve_kv_writebacks_skipped", 2.0, {}) in log
     assert ("set", "kvserve_kv_host_copy_gbps", 25.0, {"direction": "h2d"}) in log
     assert ("set", "kvserve_prefill_tokens_per_s", 900.0, {}) in log
+
+
+def test_recomputed_tokens_reach_the_worker_metric(monkeypatch, tmp_path_factory):
+    """A run that recomputes (no host tier: every eviction is recomputed) counts the tokens in
+    the engine's stats, and WorkerMetrics.poll exports exactly that growth."""
+    import ray.util.metrics as rm
+    from engine_runs import run_to_end
+    from tiny_models import tiny_model_path
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.workers import metrics
+
+    incs: list[float] = []
+
+    class Metric:
+        def __init__(self, name: str, *a, **kw) -> None:
+            self.name = name
+
+        def set_default_tags(self, tags: dict) -> Metric:
+            return self
+
+        def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+            if self.name == "kvserve_kv_recomputed_tokens":
+                incs.append(value)
+
+        def set(self, *a, **kw) -> None:
+            pass
+
+        _record = observe = set
+
+    monkeypatch.setattr(metrics, "_in_actor", lambda: True)
+    for name in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(rm, name, Metric)
+    m = metrics.WorkerMetrics("tiny", "worker-0")
+    # four streams whose answers do not fit the 24-block pool together: some are evicted
+    eng = LLM(tiny_model_path(tmp_path_factory), kv_cache_tokens=24 * 4, block_size=4,
+              host_cache_gib=0, admission_lookahead_tokens=0).engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i in range(4):
+        eng.add_request([100 + 7 * i + j for j in range(12)], params)
+    run_to_end(eng, lambda e: m.poll(e.stats(), 0))
+    recomputed = eng.stats()["tokens_recomputed"]
+    assert eng.stats()["evictions"] > 0 and recomputed > 0
+    assert sum(incs) == recomputed

@@ -33,7 +33,13 @@ from kvserve.workers.loading.loader import load_model, read_model_config
 from kvserve.workers.loading.sharding import check_tensor_parallel
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
 from kvserve.workers.model.parallel.ranks import ShardRanks
-from kvserve.workers.model.runner import DTYPES, DeviceTokens, ModelRunner, Progress
+from kvserve.workers.model.runner import (
+    DTYPES,
+    DeviceTokens,
+    ModelRunner,
+    Progress,
+    context_limit,
+)
 from kvserve.workers.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)
@@ -46,12 +52,15 @@ class LLMEngine:
         self.config = config
         path = resolve_model(config.model)
         self.model_path = path
+        # a max_model_len the KV pool cannot hold is refused before the weights load
+        context_limit(read_model_config(path), config)
         if progress is not None:
             progress("loading")
         self.tokenizer: Tokenizer = load_tokenizer(path)
         self.runner = _start_runner(path, config, progress)
         self.model_config = self.runner.model_config
-        self.max_model_len = self.runner.max_model_len
+        # the usable context: the model's, or less where the device KV pool holds less
+        self.max_model_len = context_limit(self.model_config, config)
         self.kv = self.runner.kv
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -110,8 +119,8 @@ class LLMEngine:
         ids, text = self._tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                "tokens and at least one must be left for the output"
+                f"prompt has {len(ids)} tokens; the context is {self.max_model_len} tokens "
+                f"({self._context_source()}) and at least one must be left for the output"
             )
         # a stream holds its whole KV, or with every layer windowed the window and one chunk
         window = self.kv.window
@@ -131,16 +140,21 @@ class LLMEngine:
         # compiled here, off the step thread (cached by the spec's text)
         grammar = self.grammars.state(params.structured) if params.structured else None
         gen = make_generator(params.seed, self.runner.device)
-        # a stream can never outgrow the pool: cap its length there (finish "length")
-        cap = self.max_model_len
-        if window is None:
-            cap = min(cap, self.kv.num_blocks * self.kv.block_size)
+        # the context limit already keeps a stream within the pool (context_limit)
         seq = Sequence(
-            request_id, text, ids, params, self.tokenizer, gen, cap, next(self._arrival), priority
+            request_id, text, ids, params, self.tokenizer, gen, self.max_model_len,
+            next(self._arrival), priority,
         )
         if grammar is not None:
             seq.grammar, seq.guided = grammar, True
         return seq
+
+    def _context_source(self) -> str:
+        model_len = self.runner.max_model_len
+        if self.max_model_len < model_len:
+            return (f"what this engine's KV pool holds for one stream; the model's own is "
+                    f"{model_len}")
+        return "the model's" if self.config.max_model_len is None else "max_model_len"
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:

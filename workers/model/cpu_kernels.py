@@ -2,7 +2,9 @@
 
 Plain C keeps the build to about a second (no torch headers), and one ctypes
 call per layer replaces a Python-level loop over streams. If no compiler is
-available the caller falls back to the pure-torch path.
+available the caller falls back to the pure-torch path, slower, and says so: each
+kernel's state (`kernel_states`) is logged at start-up and shown in GetServerInfo, and
+the tests fail (not skip) when a compiler is present but a build fails.
 """
 
 from __future__ import annotations
@@ -31,6 +33,26 @@ _FLAGS = [
 _QGEMV_FLAGS = [*_BASE_FLAGS, "-ffp-contract=off"]
 
 
+# each kernel's state once it was asked for: "C (<file>)", or why the torch path runs instead
+_STATES: dict[str, str] = {}
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def kernel_states() -> dict[str, str]:
+    """The state of every kernel built (or tried) so far in this process."""
+    return dict(_STATES)
+
+
+def build_failure(name: str) -> str | None:
+    """Why a kernel did not build although a compiler is present and kernels are not turned
+    off (KVSERVE_NO_C_KERNELS); None when it built, or could not have."""
+    state = _STATES.get(name, "")
+    return state.removeprefix("build failed: ") if state.startswith("build failed: ") else None
+
+
 def _cache_dir() -> str:
     root = os.environ.get("KVSERVE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
@@ -42,10 +64,12 @@ def _cache_dir() -> str:
 def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
     """Compile csrc/<name>.c once per (source, flags, CPU) and load it; None if impossible."""
     if os.environ.get("KVSERVE_NO_C_KERNELS"):
+        _STATES[name] = "torch (KVSERVE_NO_C_KERNELS is set)"
         return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = compiler()
     if cc is None:
         log.warning("no C compiler found: using the slower torch path instead of %s", name)
+        _STATES[name] = "torch (no C compiler: install gcc for the faster C kernel)"
         return None
     src_path = os.path.join(_CSRC, f"{name}.c")
     with open(src_path, "rb") as f:
@@ -61,13 +85,16 @@ def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
                            capture_output=True, timeout=120)
             os.replace(tmp, lib_path)  # atomic: concurrent builders never see a partial file
         except (subprocess.SubprocessError, OSError) as e:
-            err = getattr(e, "stderr", b"") or b""
-            log.warning("building the C kernel %s failed (%s %s): using the torch path",
-                        name, e, err.decode(errors="replace")[:500])
+            err = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[:2000]
+            log.error("building the C kernel %s failed (%s %s): using the slower torch path",
+                      name, e, err)
+            _STATES[name] = f"build failed: {e} {err}".strip()
             if os.path.exists(tmp):
                 os.unlink(tmp)
             return None
-    return ctypes.CDLL(lib_path)
+    lib = ctypes.CDLL(lib_path)
+    _STATES[name] = f"C ({os.path.basename(lib_path)})"
+    return lib
 
 
 @lru_cache(maxsize=1)

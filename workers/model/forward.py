@@ -89,6 +89,25 @@ class StepForward:
         self.attn.configure(self.model.attention_layers)
         log.info("attention backend: %s", self.attn.name)
         use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
+        # what runs, said once at start-up and shown in GetServerInfo (WorkerInfo.runtime)
+        self.runtime: dict[str, str] = {"attention": self.attn.name}
+        if self.attn.name == "torch" and self.device.type == "cpu":
+            from kvserve.workers.model.cpu_kernels import kernel_states
+
+            self.runtime["attention"] = ("torch, decode in the C kernel"
+                                         if getattr(self.attn, "kernel", None) is not None else
+                                         "torch, decode in SDPA: " + kernel_states().get(
+                                             "paged_decode", "the kernel covers float32 only"))
+        if on_cuda:
+            if use_graphs:
+                self.runtime["cuda_graphs"] = "on"
+            elif config.enforce_eager:
+                self.runtime["cuda_graphs"] = "off (enforce_eager)"
+            else:
+                why = (f"off: the {self.attn.name!r} attention backend is not captured in CUDA "
+                       "graphs (only 'triton' is); every step runs eagerly")
+                self.runtime["cuda_graphs"] = why
+                log.warning("CUDA graphs %s", why)
         # with CUDA graphs, one block past the pool takes the padding rows' K/V writes
         self.cache = DeviceKVCache(
             cfg.num_layers, config.num_blocks + int(use_graphs), config.block_size,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.errors import EngineDeadError
+from kvserve.errors import ConfigError, EngineDeadError
 from kvserve.kvcache.host_cache import HostTier, default_host_bytes
 from kvserve.kvcache.manager import KVCacheManager, StepPlan, StreamStep
 from kvserve.workers.loading.loader import LoadedModel
@@ -58,6 +58,45 @@ def table_geometry(cfg: ModelConfig, config: EngineConfig) -> tuple[int | None, 
     return window, -(-max_tokens // config.block_size)
 
 
+def _linears_runtime(loaded: LoadedModel, config: EngineConfig, device: torch.device,
+                     dtype: torch.dtype) -> str:
+    """How the linears multiply: through the C kernel on the GGUF's quantized blocks (small
+    batches) or on dequantized weights, and why."""
+    if not loaded.quantized:
+        return f"{str(dtype).removeprefix('torch.')} weights"
+    if not (device.type == "cpu" and dtype == torch.float32):
+        return f"dequantized to {str(dtype).removeprefix('torch.')}"
+    if not config.quantized_decode:
+        return "dequantized to float32 (quantized_decode off)"
+    from kvserve.workers.model.cpu_kernels import kernel_states
+
+    state = kernel_states().get("qgemv", "")
+    if state.startswith("C"):
+        return "quantized blocks in the C kernel at small batches, dequantized float32 above"
+    return f"dequantized to float32: {state}"
+
+
+def context_limit(cfg: ModelConfig, config: EngineConfig) -> int:
+    """The longest stream (prompt + output tokens) an engine serves: the model's context (or
+    `max_model_len`), and without a window on every layer also what the device KV pool holds
+    for one stream, since a stream keeps all its KV on the device while it runs (others are
+    parked or preempted to make room, never it cut short). A `max_model_len` the pool cannot
+    hold is refused."""
+    model_len = config.max_model_len or cfg.max_position_embeddings
+    window, _ = table_geometry(cfg, config)
+    pool = config.num_blocks * config.block_size
+    if window is not None or model_len <= pool:
+        return model_len
+    if config.max_model_len is not None:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} is more than this engine's device KV pool "
+            f"holds for one stream ({pool} tokens: kv_cache_tokens={config.kv_cache_tokens} in "
+            f"blocks of {config.block_size}). Raise kv_cache_tokens (--kv-cache-tokens; on GPUs "
+            "tensor parallelism (--tensor-parallel-size) spreads the KV over more devices' "
+            f"memory), or ask for a max_model_len of at most {pool}")
+    return pool
+
+
 class ModelRunner(StepForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig,
                  progress: Progress | None = None, ranks: ShardRanks | None = None) -> None:
@@ -93,6 +132,8 @@ class ModelRunner(StepForward):
         # a tensor-parallel rank 0 sends the tables' changes to the others with each step
         tables = self.kv.tables if ranks is None else ranks.track_tables(self.kv.tables)
         self.setup_device(cfg, config, tables, num_kv_heads, progress)
+        self.runtime["linears"] = _linears_runtime(loaded, config, self.device, self.dtype)
+        log.info("runtime: %s", "; ".join(f"{k}: {v}" for k, v in self.runtime.items()))
         self.host: HostTier | None = None
         host_bytes = (default_host_bytes() if config.host_cache_gib is None
                       else int(config.host_cache_gib * 2**30))
