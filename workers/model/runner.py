@@ -120,7 +120,8 @@ class ModelRunner(StepForward):
             num_kv_heads = layout.num_kv_heads
         self.model = build_model(
             cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
-            quantized=loaded.quantized, quantized_decode=config.quantized_decode, tp=tp,
+            quantized=loaded.quantized, quantized_decode=config.quantized_decode,
+            cpu_matmul=config.cpu_matmul, tp=tp,
         )
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
