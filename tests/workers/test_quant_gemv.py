@@ -83,7 +83,7 @@ def test_default_model_raw_rows_dequantize_exactly(lib, loaded) -> None:
 
 def _runner(loaded, on: bool) -> ModelRunner:
     return ModelRunner(loaded, EngineConfig(kv_cache_tokens=1024, quantized_decode=on,
-                                            cpu_matmul="exact"))
+                                            cpu_matmul="exact", host_cache_gib=0))
 
 
 def _greedy(runner: ModelRunner, sid: str, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:

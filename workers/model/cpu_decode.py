@@ -144,6 +144,26 @@ class CpuDecodeStep:
         return logits
 
 
+def bind_rows(model: DecoderModel, lib: Any) -> None:
+    """The op-by-op forward's norms, RoPE and MLP activations run the C step's code, so a
+    row gives the same bits in either path: with 8-bit activations a last-bit difference
+    would become a different rounding, and a request's tokens would depend on whether its
+    step held a prompt chunk."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return
+    model.norm.lib = lib
+    for layer in model.layers:
+        for norm in (layer.input_norm, layer.pre_mlp_norm, layer.post_attn_norm, layer.post_mlp_norm,
+                     layer.attn.q_norm, layer.attn.k_norm):
+            if norm is not None:
+                norm.lib = lib
+        layer.attn.rope.lib = lib
+        mlps = getattr(layer.mlp, "experts", [layer.mlp])
+        for mlp in mlps:
+            if isinstance(mlp, GatedMLP):
+                mlp.lib = lib
+
+
 def _lin(linear: Any, keep: list[Any]) -> _Lin:
     q = linear.quant
     keep.append(q.data)

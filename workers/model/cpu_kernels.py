@@ -25,14 +25,12 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # a call to an undeclared function is an error here, not an undefined symbol at load time
 _BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
                "-Werror=implicit-function-declaration"]
-_FLAGS = [
-    *_BASE_FLAGS,
-    # let gcc vectorise the dot-product reductions; no -ffast-math, which would
-    # assume away the -inf the online softmax starts from
-    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-]
-# The dequantized weights must match gguf's bit for bit: no fused d*q + m.
+# Every kernel is built alike, with no fused multiply-add the code does not ask for: the
+# dequantized weights must match gguf's bit for bit (no fused d*q + m), and the decode
+# step (decode_step.c, which includes paged_decode.c) must give a row the same bits as the
+# op-by-op forward's separate kernels, so a request's tokens do not depend on the path.
 _QGEMV_FLAGS = [*_BASE_FLAGS, "-ffp-contract=off"]
+_FLAGS = _QGEMV_FLAGS
 
 
 # each kernel's state once it was asked for: "C (<file>)", or why the torch path runs instead
@@ -157,6 +155,13 @@ def load_decode_step(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.decode_step_scratch_bytes.restype = i64
     lib.decode_step.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, p, p, c_int]
     lib.decode_step.restype = c_int
+    f32 = ctypes.c_float
+    lib.ds_rms_norm_rows.argtypes = [p, i64, p, p, i64, i64, i64, f32, c_int]
+    lib.ds_rms_norm_rows.restype = None
+    lib.ds_rope_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, c_int]
+    lib.ds_rope_rows.restype = None
+    lib.ds_act_rows.argtypes = [p, i64, i64, i64, p, i64, c_int]
+    lib.ds_act_rows.restype = None
     return lib
 
 

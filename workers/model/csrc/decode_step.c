@@ -341,3 +341,30 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
     }
     return 0;
 }
+
+// ---------------------------------------------------------------------------------------
+// The step's row operations for the op-by-op forward (prefill and mixed steps), so that a
+// decode row gives the same bits in either path (the 8-bit activations would turn the last
+// bit of a difference into a different rounding).
+
+// out[r] = norm(x[r]) * w for `rows` rows of n (strides ldx, ldo); in place allowed.
+void ds_rms_norm_rows(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
+                      int64_t rows, int64_t n, float eps, int n_threads) {
+#pragma omp parallel for schedule(static) num_threads(n_threads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; ++r) ds_rmsnorm(out + r * ldo, x + r * ldx, w, n, eps);
+}
+
+// RoPE in place on `heads` heads of d at each of T tokens (token stride ld), position pos[t].
+void ds_rope_rows(float *x, int64_t T, int64_t heads, int64_t ld, int64_t d, const float *cos,
+                  const float *sin, const int64_t *pos, int64_t rot, int n_threads) {
+#pragma omp parallel for schedule(static) num_threads(n_threads) if (T * heads * d >= 65536)
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < heads; ++h) ds_rope(x + t * ld + h * d, cos, sin, pos[t], rot);
+}
+
+// out[t] = act(gu[t, :n]) * gu[t, n:2n] for T rows of gu (stride ld); act 0 SiLU, 1 tanh-GELU.
+void ds_act_rows(const float *gu, int64_t T, int64_t n, int64_t ld, float *out, int64_t act,
+                 int n_threads) {
+#pragma omp parallel for schedule(static) num_threads(n_threads) if (T * n >= 65536)
+    for (int64_t t = 0; t < T; ++t) ds_act(out + t * n, gu + t * ld, gu + t * ld + n, n, act);
+}

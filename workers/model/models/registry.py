@@ -65,7 +65,8 @@ def build_model(
     model = family(cfg, w, device, dtype, max_positions)
     model.tp = tp
     if step_lib is not None and lib is not None:
-        from kvserve.workers.model.cpu_decode import CpuDecodeStep
+        from kvserve.workers.model.cpu_decode import CpuDecodeStep, bind_rows
 
         model.cpu_step = CpuDecodeStep(model, step_lib, exact=not int8)
+        bind_rows(model, step_lib)
     return model
