@@ -47,5 +47,14 @@ def smol_llm(smol_path):
     return LLM(smol_path, kv_cache_tokens=16384)
 
 
+@pytest.fixture(scope="session")
+def smol_llm_exact(smol_path):
+    """The default model with float32 activations (cpu_matmul exact): the model runtime
+    without the 8-bit rounding, for checks against transformers' float32 arithmetic."""
+    from kvserve import LLM
+
+    return LLM(smol_path, kv_cache_tokens=4096, cpu_matmul="exact", host_cache_gib=0)
+
+
 # The session's Ray + Serve app (`serve_app`), started only by tests that use it.
 from serve_fixtures import serve_app  # noqa: E402, F401
