@@ -89,7 +89,8 @@ class ServeConfig(BaseModel):
     )
 
     migration: bool = Field(
-        True, description="move streams parked on a full worker to one with room"
+        True, description="the router moves streams by itself: parked ones to workers with "
+                          "room, running ones off pressured workers (migration_rebalance)"
     )
     migration_park_threshold_s: float = Field(
         1.0, ge=0, description="a stream moves once it has been parked this long"
@@ -101,6 +102,20 @@ class ServeConfig(BaseModel):
     migration_headroom: float = Field(
         0.1, ge=0, le=1, description="share of the target's device KV left free after a move"
     )
+    migration_live: bool = Field(
+        True, description="running streams move live (their KV pre-copied while they decode, "
+                          "then a short final stage); off: every move is stop-and-copy")
+    migration_rebalance: bool = Field(
+        True, description="a worker under KV pressure (parking, or requests waiting, with its "
+                          "device KV migration_pressure_use full) moves running streams live "
+                          "to workers with room")
+    migration_pressure_use: float = Field(0.9, gt=0, le=1,
+                                          description="device KV use counted as pressure")
+    live_move_copy_share: float = Field(
+        0.02, gt=0, le=1, description="share of the source's step time a live move's "
+                                      "pre-copy round may spend copying")
+    live_move_growth_tokens: int = Field(
+        256, ge=0, description="tokens a live move's target reserves for the stream's growth")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -165,7 +180,11 @@ class ServeConfig(BaseModel):
                        "park_threshold_s": self.migration_park_threshold_s,
                        "max_inflight": self.migration_max_inflight,
                        "min_interval_s": self.migration_min_interval_s,
-                       "headroom": self.migration_headroom},
+                       "headroom": self.migration_headroom,
+                       "live": self.migration_live, "rebalance": self.migration_rebalance,
+                       "pressure_use": self.migration_pressure_use,
+                       "copy_share": self.live_move_copy_share,
+                       "growth_tokens": self.live_move_growth_tokens},
         )
 
     def engine_config(self) -> EngineConfig:

@@ -115,7 +115,10 @@ class RouterActor:
             answered.append(info)
         if not answered and self._info is None:
             raise next(e for e in infos if isinstance(e, BaseException))
-        self._info = self._info or answered[0]
+        if self._info is None:  # the context served is the shortest any worker holds
+            self._info = {**answered[0],
+                          "max_model_len": min(int(a["max_model_len"]) for a in answered)}
+        self.mover.block_size = int(self._info.get("block_size", self.mover.block_size))
         await self._poll_once()
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
@@ -199,6 +202,8 @@ class RouterActor:
         for h in block_hashes:
             v.pending[h] = expiry
         if session_id:
+            if request_id:
+                self.mover.note_request(request_id, session_id)
             self.mover.session_routed(session_id, sw, d.idx, block_hashes, exclude)
             self.mover.note_session(session_id, block_hashes)
             self.sessions[session_id] = d.idx
@@ -230,9 +235,52 @@ class RouterActor:
         d.slots[slot_id] = time.monotonic()
         s.inflight, d.inflight = len(s.slots), len(d.slots)
 
-    async def move_stream(self, request_id: str, src: int, dst: int) -> dict[str, Any]:
-        """Move one unfinished request's stream to another worker (operators, tests)."""
-        return await self.mover.move(request_id, src, dst)
+    async def move_stream(self, request_id: str, src: int, dst: int,
+                          method: str = "auto") -> dict[str, Any]:
+        """Move one unfinished request's stream to another worker (tests, tools)."""
+        return await self.mover.move(request_id, src, dst, "operator", method)
+
+    async def move_request(self, request_id: str, worker: int | None = None,
+                           method: str = "auto") -> dict[str, Any]:
+        """An operator's move: find the worker serving `request_id` and move the stream to
+        `worker` (None: the serving worker with the most free KV). Errors carry a `code`:
+        not_found (no such request), invalid (no such target), no_room (the target
+        cannot take it; the stream is untouched), failed."""
+        if worker is not None and not 0 <= worker < len(self.views):
+            return {"error": f"no worker {worker}; workers are worker-0..worker-"
+                             f"{len(self.views) - 1}", "code": "invalid"}
+        src = await self._serving_worker(request_id)
+        if src is None:
+            return {"error": f"no unfinished request {request_id!r} on any worker",
+                    "code": "not_found"}
+        ok = [v for v in self.views if v.alive and v.idx != src
+              and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
+        if worker is None:
+            if not ok:
+                return {"error": "no other worker is available to take the stream",
+                        "code": "no_room"}
+            reserved = self.mover.reserved()
+            worker = max(ok, key=lambda v: v.kv_blocks_free - reserved.get(v.idx, 0)).idx
+        elif worker == src:
+            return {"error": f"request {request_id!r} is already on worker-{src}",
+                    "code": "invalid"}
+        elif worker not in {v.idx for v in ok}:
+            return {"error": f"worker-{worker} is not serving (dead, draining or drained)",
+                    "code": "invalid"}
+        res = await self.mover.move(request_id, src, worker, "operator", method)
+        if "error" in res:
+            res["code"] = "no_room" if res.get("refused") else "failed"
+        res["src_worker"], res["dst_worker"] = f"worker-{src}", f"worker-{worker}"
+        return res
+
+    async def _serving_worker(self, request_id: str) -> int | None:
+        live = [v.idx for v in self.views if v.alive and v.idx not in self.mover.drained]
+        answers = await asyncio.gather(
+            *(self.handles[i].unfinished_ids.remote() for i in live), return_exceptions=True)
+        for i, ids in zip(live, answers, strict=True):
+            if not isinstance(ids, BaseException) and request_id in ids:
+                return i
+        return None
 
     async def drain(self, idx: int, timeout_s: float = 600.0) -> dict[str, Any]:
         """Stop admitting to worker `idx`, move its streams to the others, stop it."""
@@ -310,6 +358,7 @@ class RouterActor:
         v.stats = load["stats"]
         v.devices = load.get("devices", [])
         v.runtime = load.get("runtime", {})
+        v.streams = load.get("stream_list", [])
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
         self._reconcile(v, set(load.get("slots", ())), now)
@@ -333,10 +382,17 @@ class RouterActor:
                             v.reconciled)
         v.inflight = len(v.slots)
 
-    def set_migration(self, enabled: bool) -> bool:
-        """Turn planned migrations on or off at run time (benches, operators); returns the
-        old setting. Explicit moves and drains work either way."""
-        old, self.mover.cfg.enabled = self.mover.cfg.enabled, bool(enabled)
+    def set_migration(self, enabled: bool, rebalance: bool | None = None,
+                      park_threshold_s: float | None = None) -> bool:
+        """Turn planned migrations on or off at run time (benches, operators, tests), and
+        optionally the live rebalancing of running streams and the parked streams' threshold;
+        returns the old on/off setting. Explicit moves and drains work either way."""
+        cfg = self.mover.cfg
+        old, cfg.enabled = cfg.enabled, bool(enabled)
+        if rebalance is not None:
+            cfg.rebalance = bool(rebalance)
+        if park_threshold_s is not None:
+            cfg.park_threshold_s = float(park_threshold_s)
         return old
 
     def set_max_inflight_per_worker(self, n: int) -> int:
@@ -367,7 +423,7 @@ class RouterActor:
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
                  "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s,
                  "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
-                 "runtime": v.runtime}
+                 "runtime": v.runtime, "streams": v.streams}
                 for v in self.views
             ],
         }

@@ -318,6 +318,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "streams": len(self._requests),
             "slots": [r.slot_id for r in self._requests.values() if r.slot_id and not r.aborted],
             "parked_streams": self.engine.parked,
+            "stream_list": self.engine.streams(),
             "held": self.engine.engine.held_block_hashes(),
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
             "devices": self._devices,

@@ -265,6 +265,11 @@ class LLMEngine:
         res.top_logprobs = None if tops is None else [tops[j] for j in keep]
         return self._append([seqs[j] for j in keep], res, finished_only)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step's tokens are not appended yet (asynchronous scheduling)."""
+        return self._inflight is not None
+
     def flush(self) -> list[RequestOutput]:
         """Append the tokens of a launched step now and return their outputs: every stream's
         state is then whole, as a snapshot needs it (asynchronous scheduling; else [])."""
