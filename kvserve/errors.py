@@ -27,3 +27,7 @@ class StartupError(KVServeError):
 class EngineDeadError(KVServeError):
     """The engine cannot step any more: a rank of a tensor-parallel engine died or its group
     failed. The message names the rank; the worker that holds the engine must be restarted."""
+
+
+class ConfigError(KVServeError, ValueError):
+    """A setting is invalid, or a file it names cannot be used; the message names both."""
