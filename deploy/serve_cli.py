@@ -102,7 +102,7 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
     if start_timeout_s is None:
         start_timeout_s = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     deadline = time.monotonic() + start_timeout_s
-    tls.check_files(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs)
+    tls.check(cfg)
     env = tls.proxy_env(cfg)  # the proxies get it from the controller (deploy/proxy_tls.py)
     _until_ready(lambda: serve.start(
         http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port, **tls.http_options(cfg)),
@@ -217,8 +217,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
 
     # First, before the process-wide state below (stop handlers, subreaper): a model name
     # that does not resolve is the first error to hear about, and leaves nothing installed.
-    # unusable certificate files fail here, before anything starts
-    tls.check_files(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs)
+    tls.check(cfg)  # unusable certificate files fail here, before anything starts
     try:
         with _interrupted_by_signals():
             _resolve_tokenizer(cfg)

@@ -4,6 +4,7 @@ deploy/proxy_tls.py, for gRPC and for client certificates)."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,12 @@ def check_files(certfile: str | None, keyfile: str | None, ca_certs: str | None)
                               f"({e.reason or e})") from None
 
 
+def check(cfg: ServeConfig) -> None:
+    """Everything about `cfg`'s TLS that can be refused before anything starts."""
+    check_files(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs)
+    proxy_env(cfg)
+
+
 def http_options(cfg: ServeConfig) -> dict[str, str]:
     """Serve HTTPOptions' ssl_* fields (none without TLS)."""
     opts = {"ssl_certfile": cfg.ssl_certfile, "ssl_keyfile": cfg.ssl_keyfile,
@@ -79,6 +86,10 @@ def proxy_env(cfg: ServeConfig) -> dict[str, str]:
     proxy hook, with the gRPC server's files. Empty without TLS."""
     if not cfg.tls:
         return {}
+    other = os.environ.get(proxy_tls.CALLBACK_ENV)
+    if other and other != proxy_tls.CALLBACK:  # Serve takes one callback: it would be lost
+        raise ConfigError(f"${proxy_tls.CALLBACK_ENV} is {other}, but TLS needs it for "
+                          f"{proxy_tls.CALLBACK}, kvserve's hook in Serve's proxies")
     env = {proxy_tls.CALLBACK_ENV: proxy_tls.CALLBACK,
            proxy_tls.GRPC_CERT_ENV: str(cfg.ssl_certfile),
            proxy_tls.GRPC_KEY_ENV: str(cfg.ssl_keyfile)}

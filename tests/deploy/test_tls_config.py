@@ -138,6 +138,16 @@ def test_serve_flags_reach_the_config_and_the_proxies(pki):
     assert tls.http_options(plain) == {} and tls.proxy_env(plain) == {}
 
 
+def test_another_proxy_callback_is_not_silently_replaced(pki, monkeypatch):
+    cfg = ServeConfig(ssl_certfile=str(pki.server_cert), ssl_keyfile=str(pki.server_key))
+    monkeypatch.setenv(proxy_tls.CALLBACK_ENV, "mine.middlewares")
+    with pytest.raises(ConfigError, match="is mine.middlewares, but TLS needs it"):
+        tls.proxy_env(cfg)
+    assert tls.proxy_env(ServeConfig()) == {}  # without TLS it stays the user's
+    monkeypatch.setenv(proxy_tls.CALLBACK_ENV, proxy_tls.CALLBACK)
+    assert tls.proxy_env(cfg)[proxy_tls.CALLBACK_ENV] == proxy_tls.CALLBACK
+
+
 def test_the_proxy_hook_is_importable_by_its_path():
     from ray._common.utils import import_attr
 
