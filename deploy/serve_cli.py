@@ -540,8 +540,13 @@ def config_from_args(a: Any) -> ServeConfig:
     try:
         return _serve_config(a, engine, gpus)
     except ValidationError as e:  # one line, as the other start-up errors
-        raise ConfigError("; ".join(str(err["msg"]).removeprefix("Value error, ")
-                                    for err in e.errors())) from None
+        raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
+
+
+def _error_line(err: Any) -> str:
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    field = ".".join(str(x) for x in err["loc"])
+    return f"{field}: {msg}" if field else msg
 
 
 def _serve_config(a: Any, engine: dict[str, Any], gpus: float) -> ServeConfig:

@@ -220,3 +220,10 @@ def test_banner_lines(pki, monkeypatch, capsys):
                             serve_cli.Endpoints("127.0.0.1:9000", "https://127.0.0.1:8000"))
     out = capsys.readouterr().out
     assert "(TLS; OpenAI API" in out and "--server 127.0.0.1:9000 --tls --prompt" in out
+
+
+def test_serve_config_errors_of_the_flags_are_one_line(capsys):
+    assert main(["serve", "--gpus-per-worker", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvserve: error: num_gpus_per_worker: Input should be greater than or equal "
+                   "to 0"), err
