@@ -109,26 +109,13 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
         grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
         controller_options={"runtime_env": {"env_vars": env}} if env else None,
     ), f"Serve's proxies (HTTP {cfg.http_host}:{cfg.http_port}, gRPC :{cfg.grpc_port})", deadline)
-    _check_serve_tls(cfg)
+    tls.check_running_serve(cfg)
     _until_ready(lambda: serve.run(build_app(cfg), name=APP_NAME, route_prefix="/"),
                  f"the {APP_NAME} application (router, {cfg.num_workers} worker(s) loading the "
                  "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
     scheme = "https" if cfg.tls else "http"
     return Endpoints(f"{host}:{cfg.grpc_port}", f"{scheme}://{host}:{cfg.http_port}")
-
-
-def _check_serve_tls(cfg: ServeConfig) -> None:
-    """Serve that already ran on this Ray keeps its proxies' settings (serve.start only
-    warns): refuse to go on when its HTTP proxy's TLS is not the one asked for."""
-    from ray.serve.context import _get_global_client
-
-    running = _get_global_client().http_config
-    have = {k: getattr(running, k, None) or None for k in ("ssl_certfile", "ssl_ca_certs")}
-    want = {"ssl_certfile": cfg.ssl_certfile, "ssl_ca_certs": cfg.ssl_ca_certs}
-    if have != want:
-        raise StartupError(f"Serve already runs on this Ray with other TLS settings ({have}, "
-                           f"asked for {want}); its proxies keep them until Serve is shut down")
 
 
 def _ray_running() -> bool:
@@ -215,9 +202,10 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         print("kvserve: stopped", flush=True)
         _exit_now(0)
 
-    # First, before the process-wide state below (stop handlers, subreaper): a model name
-    # that does not resolve is the first error to hear about, and leaves nothing installed.
-    tls.check(cfg)  # unusable certificate files fail here, before anything starts
+    # First, before the process-wide state below (stop handlers, subreaper): unusable
+    # certificate files, then a model name that does not resolve, are the first errors to
+    # hear about, and leave nothing installed.
+    tls.check(cfg)
     try:
         with _interrupted_by_signals():
             _resolve_tokenizer(cfg)
@@ -409,7 +397,7 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
     if ray_ep.dashboard_url:
         auth = f"   ({token_hint()})" if ray_ep.token_auth else ""
         print(f"  dashboard  {ray_ep.dashboard_url}{auth}")
-    warning = exposure_warning(cfg)
+    warning = tls.exposure_warning(cfg)
     if warning:
         print(f"  WARNING    {warning}")
     print("Ctrl-C to stop", flush=True)
@@ -419,18 +407,6 @@ def _tls_note(cfg: ServeConfig) -> str:
     if not cfg.tls:
         return ""
     return "TLS, client certificates required; " if cfg.ssl_ca_certs else "TLS; "
-
-
-def exposure_warning(cfg: ServeConfig) -> str | None:
-    """A warning when the HTTP API binds an address other machines can reach with neither TLS
-    nor an API key: anyone on the path can use the APIs and read what they carry."""
-    if cfg.http_host in ("127.0.0.1", "localhost", "::1") or cfg.http_host.startswith("127."):
-        return None
-    if cfg.tls or cfg.resolved_api_keys():
-        return None
-    return (f"the APIs listen on {cfg.http_host} (HTTP :{cfg.http_port}; gRPC :{cfg.grpc_port} "
-            "on every interface) with neither TLS nor an API key: anyone who can reach them "
-            "can use them and read the traffic (--ssl-certfile/--ssl-keyfile, --api-key)")
 
 
 def _joining() -> bool:

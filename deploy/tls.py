@@ -9,7 +9,7 @@ import ssl
 from typing import TYPE_CHECKING
 
 from kvserve.deploy import proxy_tls
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, StartupError
 
 if TYPE_CHECKING:
     from kvserve.deploy.config import ServeConfig
@@ -96,3 +96,28 @@ def proxy_env(cfg: ServeConfig) -> dict[str, str]:
     if cfg.ssl_ca_certs:
         env[proxy_tls.GRPC_CA_ENV] = cfg.ssl_ca_certs
     return env
+
+
+def check_running_serve(cfg: ServeConfig) -> None:
+    """Serve that already ran on this Ray keeps its proxies' settings (serve.start only
+    warns): refuse to go on when its HTTP proxy's TLS is not the one asked for."""
+    from ray.serve.context import _get_global_client
+
+    running = _get_global_client().http_config
+    have = {k: getattr(running, k, None) or None for k in ("ssl_certfile", "ssl_ca_certs")}
+    want = {"ssl_certfile": cfg.ssl_certfile, "ssl_ca_certs": cfg.ssl_ca_certs}
+    if have != want:
+        raise StartupError(f"Serve already runs on this Ray with other TLS settings ({have}, "
+                           f"asked for {want}); its proxies keep them until Serve is shut down")
+
+
+def exposure_warning(cfg: ServeConfig) -> str | None:
+    """The banner's warning when the HTTP API binds an address other machines can reach with
+    neither TLS nor an API key: anyone on the path can use the APIs and read what they carry."""
+    if cfg.http_host in ("127.0.0.1", "localhost", "::1") or cfg.http_host.startswith("127."):
+        return None
+    if cfg.tls or cfg.resolved_api_keys():
+        return None
+    return (f"the APIs listen on {cfg.http_host} (HTTP :{cfg.http_port}; gRPC :{cfg.grpc_port} "
+            "on every interface) with neither TLS nor an API key: anyone who can reach them "
+            "can use them and read the traffic (--ssl-certfile/--ssl-keyfile, --api-key)")

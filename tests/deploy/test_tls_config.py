@@ -13,7 +13,7 @@ from tls_certs import PKI, make_pki
 from kvserve.cli import build_parser, main
 from kvserve.deploy import proxy_tls, tls
 from kvserve.deploy.config import ServeConfig
-from kvserve.deploy.serve_cli import config_from_args, exposure_warning
+from kvserve.deploy.serve_cli import config_from_args
 from kvserve.errors import ConfigError
 
 
@@ -156,15 +156,15 @@ def test_the_proxy_hook_is_importable_by_its_path():
 
 def test_banner_warns_of_an_exposed_plaintext_api_without_keys(pki, monkeypatch):
     monkeypatch.delenv("KVSERVE_API_KEYS", raising=False)
-    assert exposure_warning(ServeConfig()) is None  # loopback
-    assert exposure_warning(ServeConfig(http_host="127.0.0.2")) is None
-    warning = exposure_warning(ServeConfig(http_host="0.0.0.0"))
+    assert tls.exposure_warning(ServeConfig()) is None  # loopback
+    assert tls.exposure_warning(ServeConfig(http_host="127.0.0.2")) is None
+    warning = tls.exposure_warning(ServeConfig(http_host="0.0.0.0"))
     assert warning and "0.0.0.0" in warning and "neither TLS nor an API key" in warning
-    assert exposure_warning(ServeConfig(http_host="10.1.2.3", api_keys=["k"])) is None
-    assert exposure_warning(ServeConfig(http_host="0.0.0.0", ssl_certfile=str(pki.server_cert),
+    assert tls.exposure_warning(ServeConfig(http_host="10.1.2.3", api_keys=["k"])) is None
+    assert tls.exposure_warning(ServeConfig(http_host="0.0.0.0", ssl_certfile=str(pki.server_cert),
                                         ssl_keyfile=str(pki.server_key))) is None
     monkeypatch.setenv("KVSERVE_API_KEYS", "from-env")
-    assert exposure_warning(ServeConfig(http_host="0.0.0.0")) is None
+    assert tls.exposure_warning(ServeConfig(http_host="0.0.0.0")) is None
 
 
 @pytest.mark.parametrize("args, message", [
