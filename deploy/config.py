@@ -50,6 +50,14 @@ class ServeConfig(BaseModel):
     api_keys: list[str] = Field(
         default_factory=list, description=f"accepted API keys; empty = no auth (also ${API_KEYS_ENV})"
     )
+    ssl_certfile: str | None = Field(
+        None, description="PEM certificate (chain) of both APIs: HTTPS, and TLS on gRPC; with "
+                          "ssl_keyfile. Relative paths are made absolute")
+    ssl_keyfile: str | None = Field(
+        None, description="PEM private key of ssl_certfile (without a passphrase)")
+    ssl_ca_certs: str | None = Field(
+        None, description="PEM CA certificate(s): clients of both APIs must present a "
+                          "certificate one of them signed (mutual TLS); needs ssl_certfile")
     routing_policy: str = Field("affinity", description="affinity, least_loaded or round_robin")
     max_imbalance: int = Field(
         4, ge=0, description="affinity gives way when its worker has this many more in flight"
@@ -132,6 +140,30 @@ class ServeConfig(BaseModel):
         if v not in POLICIES:
             raise ValueError(f"routing_policy {v!r} is not one of {', '.join(sorted(POLICIES))}")
         return v
+
+    @field_validator("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # Serve's proxies do not run in this process's directory
+        return os.path.abspath(os.path.expanduser(v)) if v else None
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServeConfig:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            given, missing = (("ssl_certfile", "ssl_keyfile") if self.ssl_certfile
+                              else ("ssl_keyfile", "ssl_certfile"))
+            raise ValueError(f"{given} (--{given.replace('_', '-')}) needs {missing} "
+                             f"(--{missing.replace('_', '-')}): TLS takes a certificate and "
+                             "its key")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ValueError("ssl_ca_certs (--ssl-ca-certs: client certificates) needs TLS: "
+                             "set ssl_certfile and ssl_keyfile too")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether both APIs serve TLS."""
+        return bool(self.ssl_certfile)
 
     @field_validator("engine")
     @classmethod

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.deploy import tls
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.ray_start import init_ray
@@ -25,7 +26,7 @@ from kvserve.deploy.serve_stop import (
     end_own_processes,
     stop_service,
 )
-from kvserve.errors import KVServeError, StartupError
+from kvserve.errors import ConfigError, KVServeError, StartupError
 
 
 @dataclass
@@ -103,15 +104,20 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
     if start_timeout_s is None:
         start_timeout_s = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     deadline = time.monotonic() + start_timeout_s
+    tls.check(cfg)
+    env = tls.proxy_env(cfg)  # the proxies get it from the controller (deploy/proxy_tls.py)
     _until_ready(lambda: serve.start(
-        http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port),
+        http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port, **tls.http_options(cfg)),
         grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+        controller_options={"runtime_env": {"env_vars": env}} if env else None,
     ), f"Serve's proxies (HTTP {cfg.http_host}:{cfg.http_port}, gRPC :{cfg.grpc_port})", deadline)
+    tls.check_running_serve(cfg)
     _until_ready(lambda: serve.run(build_app(cfg), name=APP_NAME, route_prefix="/"),
                  f"the {APP_NAME} application (router, {cfg.num_workers} worker(s) loading the "
                  "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
-    return Endpoints(f"{host}:{cfg.grpc_port}", f"http://{host}:{cfg.http_port}")
+    scheme = "https" if cfg.tls else "http"
+    return Endpoints(f"{host}:{cfg.grpc_port}", f"{scheme}://{host}:{cfg.http_port}")
 
 
 def _ray_running() -> bool:
@@ -199,8 +205,10 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         print("kvserve: stopped", flush=True)
         _exit_now(0)
 
-    # First, before the process-wide state below (stop handlers, subreaper): a model name
-    # that does not resolve is the first error to hear about, and leaves nothing installed.
+    # First, before the process-wide state below (stop handlers, subreaper): unusable
+    # certificate files, then a model name that does not resolve, are the first errors to
+    # hear about, and leave nothing installed.
+    tls.check(cfg)
     try:
         with _interrupted_by_signals():
             _resolve_tokenizer(cfg)
@@ -386,13 +394,20 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
     context = _served_context(cfg)
     print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
-    print(f"  gRPC       {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} "
-          "--prompt ...)")
-    print(f"  HTTP       {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
+    client_tls = ""
+    if cfg.tls:  # (--ca too where a private CA signed the server's certificate)
+        client_tls = " --tls --cert CERT.pem --key KEY.pem" if cfg.ssl_ca_certs else " --tls"
+    print(f"  gRPC       {ep.grpc_target}   ({_tls_note(cfg)}kvserve generate --server "
+          f"{ep.grpc_target}{client_tls} --prompt ...)")
+    print(f"  HTTP       {ep.http_url}/v1   ({_tls_note(cfg)}OpenAI API: /v1/completions, "
+          "/v1/chat/completions)")
     print(f"  metrics    {ray_ep.metrics_url}   (Prometheus; kvserve's series are ray_kvserve_*)")
     if ray_ep.dashboard_url:
         auth = f"   ({token_hint()})" if ray_ep.token_auth else ""
         print(f"  dashboard  {ray_ep.dashboard_url}{auth}")
+    warning = tls.exposure_warning(cfg)
+    if warning:
+        print(f"  WARNING    {warning}")
     print("Ctrl-C to stop", flush=True)
 
 
@@ -408,6 +423,12 @@ def _served_context(cfg: ServeConfig) -> int | None:
         return int(info["model_info"]["max_model_len"])
     except Exception:  # (the banner goes without it)
         return None
+
+
+def _tls_note(cfg: ServeConfig) -> str:
+    if not cfg.tls:
+        return ""
+    return "TLS, client certificates required; " if cfg.ssl_ca_certs else "TLS; "
 
 
 def _joining() -> bool:
@@ -471,6 +492,14 @@ def add_serve_parser(sub: Any) -> None:
                    help="largest request body / gRPC message accepted (HTTP 413 beyond)")
     s.add_argument("--api-key", action="append", default=[],
                    help="accepted API key (repeatable; also $KVSERVE_API_KEYS)")
+    t = s.add_argument_group("TLS (both APIs: HTTPS, and TLS on gRPC)")
+    t.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help="server certificate (chain); with --ssl-keyfile")
+    t.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                   help="its private key (without a passphrase)")
+    t.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help="CA certificate(s): clients must present a certificate one of them "
+                        "signed (mutual TLS)")
     s.add_argument("--routing-policy", default="affinity",
                    choices=["affinity", "least_loaded", "round_robin"])
     s.add_argument("--max-inflight-per-worker", type=int, default=256)
@@ -514,13 +543,28 @@ def config_from_args(a: Any) -> ServeConfig:
         import torch
 
         gpus = a.tensor_parallel_size if torch.cuda.is_available() else 0
-    cfg = ServeConfig(
+    from pydantic import ValidationError
+
+    try:
+        return _serve_config(a, engine, gpus)
+    except ValidationError as e:  # one line, as the other start-up errors
+        raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
+
+
+def _error_line(err: Any) -> str:
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    field = ".".join(str(x) for x in err["loc"])
+    return f"{field}: {msg}" if field else msg
+
+
+def _serve_config(a: Any, engine: dict[str, Any], gpus: float) -> ServeConfig:
+    return ServeConfig(
         model=a.model, num_workers=a.workers, num_gpus_per_worker=gpus,
         tensor_parallel_size=a.tensor_parallel_size,
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
-        shutdown_grace_s=a.shutdown_grace_s,
+        shutdown_grace_s=a.shutdown_grace_s, ssl_certfile=a.ssl_certfile,
+        ssl_keyfile=a.ssl_keyfile, ssl_ca_certs=a.ssl_ca_certs,
     )
-    return cfg
