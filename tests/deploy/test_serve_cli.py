@@ -227,6 +227,10 @@ def test_app_port_settings_must_match_serves_proxies():
 
     http, grpc_ = HTTPOptions(host="0.0.0.0", port=8000), gRPCOptions(port=9000)
     assert mismatches(ServeConfig(), http, grpc_) == []  # unset: Serve's own
+    tls = ServeConfig(ssl_certfile="/c.pem", ssl_keyfile="/k.pem")
+    assert mismatches(tls, http, grpc_) == [
+        "ssl_certfile='/c.pem', but Serve's HTTP proxy has None (http_options.ssl_certfile)",
+        "ssl_keyfile='/k.pem', but Serve's HTTP proxy has None (http_options.ssl_keyfile)"]
     assert mismatches(ServeConfig(http_port=8000, grpc_port=9000, http_host="0.0.0.0"),
                       http, grpc_) == []
     bad = mismatches(ServeConfig(http_port=8001, grpc_port=9001, http_host="127.0.0.1"),
