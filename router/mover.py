@@ -72,6 +72,8 @@ class StreamMover:
         self._session_copies: set[asyncio.Task] = set()
         self._drains: dict[int, asyncio.Task] = {}  # drains under way, by worker
         self.block_size = 16  # the engines' (set by the router once they answered)
+        # moves a worker takes part in at once (as source or target), whoever starts them
+        self._per_worker: dict[int, asyncio.Semaphore] = {}
 
     # ---- the router's view ------------------------------------------------------------------
     def observe(self, idx: int, load: dict[str, Any], sent_at: float) -> None:
@@ -206,7 +208,9 @@ class StreamMover:
         self.moving.add(request_id)
         self.last_moved[request_id] = time.monotonic()
         try:
-            res = await self._move_by(request_id, src, dst, method)
+            a, b = (self._slot(i) for i in sorted((src, dst)))  # in order: no deadlock
+            async with a, b:
+                res = await self._move_by(request_id, src, dst, method)
         finally:
             self.moving.discard(request_id)
             # the interval runs from the move's end: one that failed after a long import
@@ -248,6 +252,12 @@ class StreamMover:
         if "error" not in res:
             res.update(stall_ms=(time.monotonic() - t0) * 1e3, rounds=1)
         return res
+
+    def _slot(self, idx: int) -> asyncio.Semaphore:
+        sem = self._per_worker.get(idx)
+        if sem is None:
+            sem = self._per_worker[idx] = asyncio.Semaphore(max(1, self.cfg.max_inflight))
+        return sem
 
     def _live_cfg(self) -> LiveMoveConfig:
         return LiveMoveConfig(copy_share=self.cfg.copy_share, growth_tokens=self.cfg.growth_tokens,
