@@ -339,14 +339,14 @@ def test_target_killed_mid_live_copy_leaves_the_stream_running_at_its_source(
     assert out == {"out": [], "in": []}  # the source called the move off
     assert got.token_ids == want[0] and got.worker_id == "worker-0"
     deadline = time.monotonic() + 120
-    while True:  # Ray restarts worker 1
+    while True:  # Ray restarts worker 1 (the killed incarnation may answer "died" meanwhile)
         try:
             ray.get(ray.get(cluster.workers.remote())[1].ping.remote(), timeout=30)
             break
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             assert time.monotonic() < deadline, "worker 1 never came back"
             time.sleep(0.5)
-    _wait_clean(cluster, [0, 1, 2])
+    _wait_clean(cluster, [0, 1])  # (worker 2 was stopped for good above)
     _wait_no_inflight(cluster)
 
 
@@ -396,7 +396,7 @@ def test_pressured_worker_moves_running_streams_live(cluster, svc, smol_llm):
     assert sum(r.worker_id != "worker-0" for r in got) >= 1
     after = _stats(cluster)
     assert after[0]["migration_moved_out"] > before[0]["migration_moved_out"]
-    _wait_clean(cluster, [0, 1, 2])
+    _wait_clean(cluster, [0, 1])  # (worker 2 was stopped for good above)
     _wait_no_inflight(cluster)
 
 

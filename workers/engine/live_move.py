@@ -171,20 +171,25 @@ class Source:
         self.check(engine)
         seq = self.seq
         assert seq is not None
-        engine.scheduler.running.remove(seq)
-        self.frozen = engine.kv.hold(self.request_id)
-        state = self.frozen
+        move = transport(engine)
+        assert move is not None  # (begin checked it)
         bs = engine.kv.block_size
-        n = state.num_computed
-        ids = state.block_ids[self.sent : engine.kv.blocks_needed(n)]
-        meta = {"first": self.sent, "blocks": len(ids), "tokens": n,
-                "hashes": _hashes(engine, seq, self.sent, n // bs),
-                "record": stream_record(engine, seq)}
-        data = np.empty(0, dtype=np.uint8)
-        if ids:
-            t = transport(engine).read(ids)  # type: ignore[union-attr]
-            meta.update(shape=list(t.shape), dtype=_dtype(engine))
-            data = _pack(t)
+        hashes = _hashes(engine, seq, self.sent, engine.kv.num_computed(self.request_id) // bs)
+        engine.scheduler.running.remove(seq)
+        self.frozen = state = engine.kv.hold(self.request_id)
+        try:
+            n = state.num_computed
+            ids = state.block_ids[self.sent : engine.kv.blocks_needed(n)]
+            meta = {"first": self.sent, "blocks": len(ids), "tokens": n, "hashes": hashes,
+                    "record": stream_record(engine, seq)}
+            data = np.empty(0, dtype=np.uint8)
+            if ids:
+                t = move.read(ids)
+                meta.update(shape=list(t.shape), dtype=_dtype(engine))
+                data = _pack(t)
+        except BaseException:
+            self.thaw(engine)  # it runs on here, as if the final stage had not begun
+            raise
         self.rounds += 1
         self.bytes_sent += data.nbytes
         return meta, data
