@@ -269,7 +269,10 @@ class RouterActor:
                     "code": "invalid"}
         res = await self.mover.move(request_id, src, worker, "operator", method)
         if "error" in res:
-            res["code"] = "no_room" if res.get("refused") else "failed"
+            if res.get("refused"):  # by the target (no room, ...) or the source (it ended)
+                res["code"] = "no_room" if res.get("side") != "source" else "not_found"
+            else:
+                res["code"] = "failed"
         res["src_worker"], res["dst_worker"] = f"worker-{src}", f"worker-{worker}"
         return res
 

@@ -84,7 +84,6 @@ class AsyncLLMEngine:
         self._parked = ParkedTracker()
         self._live_out: dict[str, Source] = {}  # live moves out of this engine
         self._live_in: dict[str, Target] = {}  # live moves into it (reservations)
-        self.step_s = 0.0  # moving average of a step's wall time (paces live-move rounds)
         # every stream's state, tokens and blocks, rebuilt after a step once asked for
         self._view: list[dict[str, Any]] = []
         self._want_view = True
@@ -165,7 +164,7 @@ class AsyncLLMEngine:
     async def live_round(self, request_id: str, copy_share: float,
                          max_blocks: int | None = None) -> tuple[dict[str, Any], Any]:
         """The next pre-copy round: (meta, block bytes). The round's copies take about
-        `copy_share` of a step's time here (at the copy rate measured so far)."""
+        `copy_share` of the time since the last round (at the copy rate measured so far)."""
         return await self._call(lambda: self._live_round(request_id, copy_share, max_blocks))
 
     async def live_freeze(self, request_id: str) -> tuple[dict[str, Any], Any]:
@@ -274,7 +273,6 @@ class AsyncLLMEngine:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
             try:
                 outs = eng.step()
             except EngineDeadError as e:
@@ -284,8 +282,6 @@ class AsyncLLMEngine:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            dt = time.perf_counter() - t0
-            self.step_s = dt if self.step_s == 0.0 else 0.9 * self.step_s + 0.1 * dt
             self._deliver(outs)
             self._refresh()
         self._fail_all(RuntimeError("engine shut down"))
@@ -469,7 +465,7 @@ class AsyncLLMEngine:
     def _live_round(self, rid: str, share: float, max_blocks: int | None) -> tuple[dict, Any]:
         src = self._source(rid)
         if max_blocks is None:
-            max_blocks = src.budget(self.step_s, share)
+            max_blocks = src.budget(share, time.monotonic())
         t0 = time.perf_counter()
         try:
             meta, data = src.round(self.engine, max_blocks)
