@@ -93,7 +93,7 @@ moe)  # Qwen3-MoE, random weights (make_moe_models.py q3moe: 5.2B, 64 experts, t
 tests) run tests tests 400 env KVSERVE_CUDA_TEST_MODEL=$M/smol KVSERVE_TEST_TOKENIZER=$M/smol python3 -m pytest -q -m '' -p no:cacheprovider \
   tests/workers/test_cuda_path.py tests/workers/test_cuda_graphs.py tests/workers/test_triton_attention.py tests/workers/test_triton_fused.py \
   tests/workers/test_async_scheduling.py tests/kvcache/test_block_tables.py \
-  tests/kvcache/test_host_copies.py tests/workers/test_restore_policy.py
+  tests/kvcache/test_host_copies.py tests/workers/test_restore_policy.py tests/kvcache/test_kv_transport.py
   tail -4 "$OUT/tests.log" ;;
 figures)
   run figures anchor 120 python3 "$G/static_decode_anchor.py"
