@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.placement import PlacementError, check_placement
 from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
 from kvserve.deploy.serve_stop import (
@@ -74,23 +75,29 @@ def deploy(
     """Start a local Ray if none is running, start Serve on the configured ports, deploy.
 
     A Ray started here listens on `ray_host` only (loopback by default); `ray_init` entries
-    win over that. A Ray that is already running keeps its own settings."""
-    start_ray(cfg, ray_init, ray_host)
+    win over that. A Ray that is already running keeps its own settings. Workers that the
+    nodes can never hold fail first (PlacementError, deploy/placement.py)."""
+    own = start_ray(cfg, ray_init, ray_host)
+    check_placement(cfg, own_ray=own)
     return deploy_app(cfg, start_timeout_s)
 
 
 def start_ray(cfg: ServeConfig, ray_init: dict[str, Any] | None = None,
-              ray_host: str = LOOPBACK) -> None:
+              ray_host: str = LOOPBACK) -> bool:
     """Connect to the running Ray (this process's, $RAY_ADDRESS or one `ray start` began on
-    this machine), or start a local one."""
+    this machine), or start a local one. Returns whether it started one (a local Ray, which
+    cannot add nodes)."""
     if not _ray_running():
         keep_ray_local(ray_host)
     import ray
 
-    if not ray.is_initialized():
-        if cfg.num_gpus_per_worker == 0:
-            apply_cpu_host_defaults()
-        init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+    if ray.is_initialized():
+        return False
+    own = not _joining() and (ray_init or {}).get("address") in (None, "local")
+    if cfg.num_gpus_per_worker == 0:
+        apply_cpu_host_defaults()
+    init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+    return own
 
 
 def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoints:
@@ -217,13 +224,18 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
     try:
         with signals.interrupting():
             with signals.kept():
-                start_ray(cfg, ray_init, ray_host)
+                own = start_ray(cfg, ray_init, ray_host)
+            check_placement(cfg, own_ray=own)  # before any model loads
             print(f"kvserve: deploying {cfg.model_name()} on {cfg.num_workers} worker(s) "
                   "(the model loads) ...", flush=True)
             ep = _deploy_showing_states(cfg)
             _print_banner(cfg, ep)
     except KeyboardInterrupt:  # a signal during the start: stop what started
         pass
+    except PlacementError as e:  # nothing deployed yet: only Ray to stop (or leave)
+        print(f"kvserve: error: {e}", flush=True)
+        _stop_ray(ports)
+        _exit_now(2)
     except KVServeError as e:  # a worker that failed to start says why, in one line
         print(f"kvserve: {e}; stopping what started", flush=True)
         _stop(cfg, signals)
@@ -360,6 +372,17 @@ def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
     stop_service(graceful, cfg.shutdown_grace_s, signals, [cfg.http_port, cfg.grpc_port])
 
 
+def _stop_ray(ports: list[int]) -> None:
+    """Stop the Ray this command started, before anything was deployed on it (Ray's own
+    shutdown: its processes end without a word to the console), or leave a joined one."""
+    import ray
+
+    t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    t.start()
+    t.join(30.0)
+    end_own_processes(ports, time.monotonic() + 10.0)
+
+
 def _exit_now(code: int) -> None:
     """Exit without the interpreter's teardown. Everything is stopped by now; what is left
     is freeing the heap (torch, Ray: seconds on a loaded machine), and Ray's exit handlers,
@@ -429,7 +452,9 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices each worker spans, one rank per device on one node (the "
                         "model's heads, MLP and vocabulary split across them)")
-    s.add_argument("--cpus-per-worker", type=float, default=1)
+    s.add_argument("--cpus-per-worker", type=float, default=1,
+                   help="Ray CPUs each worker reserves on its node (a fraction lets more "
+                        "workers share a node's CPUs)")
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
                         "default: automatic on CPU workers, every step on GPU")

@@ -23,6 +23,7 @@ from ray.exceptions import ObjectLostError, RayActorError
 from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.placement import check_placement
 from kvserve.deploy.ray_endpoints import known_ray_endpoints
 from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.deploy.stream_relay import StreamRelay
@@ -78,6 +79,8 @@ class Service:
         self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         # the call format of the model's template (tool_choice auto)
         self.tool_parser = for_template(self.tokenizer.chat_template)
+        if router is None:  # workers no node can ever hold fail here, not in a silent wait
+            check_placement(cfg)
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
