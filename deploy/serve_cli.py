@@ -26,6 +26,7 @@ from kvserve.deploy.serve_stop import (
     end_own_processes,
     stop_service,
 )
+from kvserve.deploy.startup_states import StartupStates
 from kvserve.errors import KVServeError, StartupError
 
 
@@ -221,6 +222,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
           flush=True)
     ray_init = {} if joining else {"include_dashboard": True, "dashboard_port": dashboard_port
                                    or _free_port(), "_metrics_export_port": metrics_port or None}
+    shown: StartupStates | None = None
     try:
         with signals.interrupting():
             with signals.kept():
@@ -228,8 +230,9 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
             check_placement(cfg, own_ray=own)  # before any model loads
             print(f"kvserve: deploying {cfg.model_name()} on {cfg.num_workers} worker(s) "
                   "(the model loads) ...", flush=True)
-            ep = _deploy_showing_states(cfg)
-            _print_banner(cfg, ep)
+            ep, shown = _deploy_showing_states(cfg)
+            _print_banner(cfg, ep, shown.not_ready())
+            shown.keep_showing()  # the workers still waiting: their progress, then ready
     except KeyboardInterrupt:  # a signal during the start: stop what started
         pass
     except PlacementError as e:  # nothing deployed yet: only Ray to stop (or leave)
@@ -246,6 +249,8 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         _stop(cfg, signals)
         _exit_now(1)
     signals.stop.wait()  # a signal's handler sets it (the wait wakes for the handler)
+    if shown is not None:
+        shown.stop()
     name = signal.Signals(signals.signum).name if signals.signum else "a signal"
     print(f"kvserve: {name}: shutting down (requests in flight get {cfg.shutdown_grace_s:g} s)",
           flush=True)
@@ -292,12 +297,13 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
         check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
 
 
-def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
-    """deploy_app, printing each worker's start-up state as it changes."""
+def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:
+    """deploy_app, printing each worker's start-up state as it changes. Returns the states
+    as the app came up (it may serve while workers still wait for resources)."""
     shown = StartupStates(cfg.router_name)
     shown.start()
     try:
-        return deploy_app(cfg)
+        ep = deploy_app(cfg)
     except RuntimeError:  # Serve's "deploying failed" says less than the worker that failed
         failed = shown.failed()
         if not failed:
@@ -305,58 +311,9 @@ def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
         raise StartupError(f"the app did not start: {failed}") from None
     finally:
         shown.stop()
-
-
-class StartupStates:
-    """Prints each worker's start-up state when it changes (downloading the model with its
-    bytes, loading, capturing graphs), read from the router while the app deploys."""
-
-    PERIOD_S = 2.0
-
-    def __init__(self, router_name: str) -> None:
-        self.router_name = router_name
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="startup-states", daemon=True)
-        self._shown: dict[str, str] = {}
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def failed(self) -> str | None:
-        """'worker-i: failed: why' of a worker whose start-up failed, if any (asks once more)."""
-        try:
-            self.poll(quiet=True)
-        except Exception:
-            pass
-        return next((f"{w}: {s}" for w, s in self._shown.items() if s.startswith("failed: ")),
-                    None)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            try:
-                self.poll()
-            except Exception as e:  # not up yet, or restarting: the next poll tries again
-                log.debug("reading the workers' start-up states failed: %s", e)
-
-    def poll(self, quiet: bool = False) -> None:
-        import ray
-
-        from kvserve.router.lifecycle import find_router
-
-        if not ray.is_initialized():
-            return
-        router = find_router(self.router_name)
-        if router is None:
-            return
-        for w in ray.get(router.server_info.remote(), timeout=10)["workers"]:
-            state = w["state"]
-            if self._shown.get(w["worker_id"]) != state and state != "ready" and not quiet:
-                print(f"kvserve: {w['worker_id']}: {state}", flush=True)
-            self._shown[w["worker_id"]] = state
+    with contextlib.suppress(Exception):
+        shown.poll(quiet=True)  # as the app came up (the last poll may be 2 s old)
+    return ep, shown
 
 
 def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
@@ -396,11 +353,17 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
+def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) -> None:
+    """Where everything is; the workers not serving yet (waiting for resources) with their
+    states."""
     from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
 
     ray_ep = ray_endpoints()
-    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)")
+    n = cfg.num_workers
+    serving = f"{n - len(not_ready)} of {n}" if not_ready else f"{n}"
+    print(f"kvserve: serving {cfg.model_name()} on {serving} worker(s)")
+    for worker, state in not_ready.items():
+        print(f"  {worker:<10} {state}")
     print(f"  gRPC       {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} "
           "--prompt ...)")
     print(f"  HTTP       {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
@@ -455,6 +418,12 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--cpus-per-worker", type=float, default=1,
                    help="Ray CPUs each worker reserves on its node (a fraction lets more "
                         "workers share a node's CPUs)")
+    s.add_argument("--wait-for-all-workers", action="store_true",
+                   help="serve only once every worker is ready; by default it serves once one "
+                        "is while others wait for resources (a node the autoscaler adds)")
+    s.add_argument("--placement-timeout-s", type=float, default=900.0,
+                   help="a worker that Ray has not placed on a node this long after its start "
+                        "is stopped and reported failed, with what it waited for (default 900)")
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
                         "default: automatic on CPU workers, every step on GPU")
@@ -514,6 +483,7 @@ def config_from_args(a: Any) -> ServeConfig:
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
-        shutdown_grace_s=a.shutdown_grace_s,
+        shutdown_grace_s=a.shutdown_grace_s, wait_for_all_workers=a.wait_for_all_workers,
+        placement_timeout_s=a.placement_timeout_s,
     )
     return cfg

@@ -98,7 +98,7 @@ class Service:
         self.stopping: str | None = None
 
     async def start(self) -> None:
-        info = await self.router.ready.remote()
+        info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
         await self._refresh_workers()
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
@@ -223,7 +223,7 @@ class Service:
             try:
                 if slot.epoch != self.epoch or slot.idx >= len(self.workers):
                     # the router was restarted with new workers, or started more
-                    await self.router.ready.remote()
+                    await self.router.ready.remote(self.cfg.wait_for_all_workers)
                     await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,

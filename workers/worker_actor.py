@@ -491,6 +491,11 @@ def device_group(num_cpus: float, num_gpus: float, tensor_parallel_size: int,
                            name=f"{name}-devices" if name else "")
 
 
+def device_group_of(handle: Any) -> Any:
+    """The placement group of a tensor-parallel worker this process created (else None)."""
+    return _DEVICE_GROUPS.get(handle._actor_id.hex())
+
+
 def stop_worker(handle: Any) -> None:
     """Stop a worker for good (no restart) and free its devices' placement group."""
     ray.kill(handle, no_restart=True)
