@@ -42,7 +42,7 @@ SITE=/tmp/site
 TESTS="tests/kvcache/test_block_tables.py tests/kvcache/test_host_copies.py
   tests/workers/test_cuda_path.py tests/workers/test_async_scheduling.py
   tests/workers/test_restore_policy.py tests/workers/test_cuda_graphs.py
-  tests/workers/test_triton_attention.py"
+  tests/workers/test_triton_attention.py tests/kvcache/test_kv_transport.py"
 # CPU-only cases ([cpu] parameters; the GPU machine's CPU adds nothing to CI's) and the Ray
 # metrics' tests (no Ray there)
 TEST_SELECT="not cpu and not worker_metric"
