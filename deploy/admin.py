@@ -1,5 +1,5 @@
 """Operator actions behind the API key: draining a worker (gRPC DrainWorker and
-HTTP POST /v1/admin/drain share this)."""
+HTTP POST /v1/admin/drain share this) and moving a stream (MoveStream, POST /v1/admin/move)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,34 @@ async def drain(svc: Service, worker: Any, timeout_s: float | None) -> dict[str,
         raise ServiceError("unavailable", f"draining worker-{idx} failed: {res['error']}")
     return {"worker_id": f"worker-{idx}", "streams_moved": res["moved"],
             "sessions_moved": res.get("sessions", 0), "drained": True}
+
+
+class MoveRequest(BaseModel):
+    """Body of POST /v1/admin/move."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    worker_id: str | int | None = None  # the target; None or "": the router picks
+    stop_and_copy: bool = False
+
+
+MOVE_CODES = {"not_found": "not_found", "invalid": "invalid", "no_room": "conflict"}
+
+
+async def move(svc: Service, request_id: str, worker: Any, stop_and_copy: bool = False,
+               ) -> dict[str, Any]:
+    """Move a stream: {"request_id", "from_worker", "to_worker", "method", "stall_ms",
+    "bytes", "rounds"} once it runs (or waits) on its new worker."""
+    if not request_id:
+        raise ServiceError("invalid", "request_id is required")
+    idx = None if worker in (None, "") else worker_index(svc, worker)
+    res = await svc.router.move_request.remote(request_id, idx,
+                                               "snapshot" if stop_and_copy else "auto")
+    if "error" in res:
+        raise ServiceError(MOVE_CODES.get(res.get("code", ""), "unavailable"),
+                           f"moving {request_id!r} failed: {res['error']}")
+    return {"request_id": request_id, "from_worker": res["src_worker"],
+            "to_worker": res["dst_worker"], "method": res["method"],
+            "stall_ms": round(float(res.get("stall_ms", 0.0)), 3),
+            "bytes": int(res.get("bytes", 0)), "rounds": int(res.get("rounds", 0))}

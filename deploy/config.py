@@ -36,6 +36,14 @@ class ServeConfig(BaseModel):
     num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
     tensor_parallel_size: int = Field(
         1, ge=1, description="devices each worker spans (one rank per device, on one node)")
+    wait_for_all_workers: bool = Field(
+        False, description="serve only once every worker is ready; by default the service "
+                           "serves once one is, while workers wait for resources (a node the "
+                           "autoscaler adds)")
+    placement_timeout_s: float = Field(
+        900.0, gt=0, description="a worker that Ray has not placed this long after its start "
+                                 "(no node with its resources free) is stopped and reported "
+                                 "failed, with what it waited for")
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
@@ -50,6 +58,14 @@ class ServeConfig(BaseModel):
     api_keys: list[str] = Field(
         default_factory=list, description=f"accepted API keys; empty = no auth (also ${API_KEYS_ENV})"
     )
+    ssl_certfile: str | None = Field(
+        None, description="PEM certificate (chain) of both APIs: HTTPS, and TLS on gRPC; with "
+                          "ssl_keyfile. Relative paths are made absolute")
+    ssl_keyfile: str | None = Field(
+        None, description="PEM private key of ssl_certfile (without a passphrase)")
+    ssl_ca_certs: str | None = Field(
+        None, description="PEM CA certificate(s): clients of both APIs must present a "
+                          "certificate one of them signed (mutual TLS); needs ssl_certfile")
     routing_policy: str = Field("affinity", description="affinity, least_loaded or round_robin")
     max_imbalance: int = Field(
         4, ge=0, description="affinity gives way when its worker has this many more in flight"
@@ -89,7 +105,8 @@ class ServeConfig(BaseModel):
     )
 
     migration: bool = Field(
-        True, description="move streams parked on a full worker to one with room"
+        True, description="the router moves streams by itself: parked ones to workers with "
+                          "room, running ones off pressured workers (migration_rebalance)"
     )
     migration_park_threshold_s: float = Field(
         1.0, ge=0, description="a stream moves once it has been parked this long"
@@ -101,6 +118,20 @@ class ServeConfig(BaseModel):
     migration_headroom: float = Field(
         0.1, ge=0, le=1, description="share of the target's device KV left free after a move"
     )
+    migration_live: bool = Field(
+        True, description="running streams move live (their KV pre-copied while they decode, "
+                          "then a short final stage); off: every move is stop-and-copy")
+    migration_rebalance: bool = Field(
+        True, description="a worker under KV pressure (parking, or requests waiting, with its "
+                          "device KV migration_pressure_use full) moves running streams live "
+                          "to workers with room")
+    migration_pressure_use: float = Field(0.9, gt=0, le=1,
+                                          description="device KV use counted as pressure")
+    live_move_copy_share: float = Field(
+        0.02, gt=0, le=1, description="share of the source's step time a live move's "
+                                      "pre-copy round may spend copying")
+    live_move_growth_tokens: int = Field(
+        256, ge=0, description="tokens a live move's target reserves for the stream's growth")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -117,6 +148,30 @@ class ServeConfig(BaseModel):
         if v not in POLICIES:
             raise ValueError(f"routing_policy {v!r} is not one of {', '.join(sorted(POLICIES))}")
         return v
+
+    @field_validator("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # Serve's proxies do not run in this process's directory
+        return os.path.abspath(os.path.expanduser(v)) if v else None
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServeConfig:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            given, missing = (("ssl_certfile", "ssl_keyfile") if self.ssl_certfile
+                              else ("ssl_keyfile", "ssl_certfile"))
+            raise ValueError(f"{given} (--{given.replace('_', '-')}) needs {missing} "
+                             f"(--{missing.replace('_', '-')}): TLS takes a certificate and "
+                             "its key")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ValueError("ssl_ca_certs (--ssl-ca-certs: client certificates) needs TLS: "
+                             "set ssl_certfile and ssl_keyfile too")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether both APIs serve TLS."""
+        return bool(self.ssl_certfile)
 
     @field_validator("engine")
     @classmethod
@@ -160,12 +215,16 @@ class ServeConfig(BaseModel):
             stream_interval_ms=self.stream_interval_ms, routing_policy=self.routing_policy,
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
             load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
-            slot_grace_s=self.slot_grace_s,
+            slot_grace_s=self.slot_grace_s, placement_timeout_s=self.placement_timeout_s,
             migration={"enabled": self.migration,
                        "park_threshold_s": self.migration_park_threshold_s,
                        "max_inflight": self.migration_max_inflight,
                        "min_interval_s": self.migration_min_interval_s,
-                       "headroom": self.migration_headroom},
+                       "headroom": self.migration_headroom,
+                       "live": self.migration_live, "rebalance": self.migration_rebalance,
+                       "pressure_use": self.migration_pressure_use,
+                       "copy_share": self.live_move_copy_share,
+                       "growth_tokens": self.live_move_growth_tokens},
         )
 
     def engine_config(self) -> EngineConfig:

@@ -12,6 +12,7 @@ class ServiceError(Exception):
     KINDS: dict[str, tuple[grpc.StatusCode, int, str]] = {
         "invalid": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
         "not_found": (grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
+        "conflict": (grpc.StatusCode.FAILED_PRECONDITION, 409, "conflict_error"),
         "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
         "overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
         "too_large": (grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error"),

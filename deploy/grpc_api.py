@@ -289,6 +289,9 @@ class GrpcFrontend:
                 load_seconds=w["load_s"], host_tier=pb.HostTierInfo(**w["host_tier"]),
                 tensor_parallel_size=w["tensor_parallel_size"], devices=w["devices"],
                 runtime=w.get("runtime", {}),
+                streams=[pb.StreamInfo(request_id=s["request_id"], state=s["state"],
+                                       tokens=s["tokens"], kv_blocks=s["blocks"])
+                         for s in w.get("streams", [])],
             )
             for w in info["workers"]
         ]
@@ -297,6 +300,17 @@ class GrpcFrontend:
                                         metrics_port=info["ray"]["metrics_port"],
                                         dashboard_url=info["ray"]["dashboard_url"],
                                         max_model_len=svc.max_model_len)
+
+    async def MoveStream(
+        self, request: pb.MoveStreamRequest, grpc_context: Any
+    ) -> pb.MoveStreamResponse:
+        try:
+            svc = self._authed(grpc_context)
+            res = await admin.move(svc, request.request_id, request.worker_id,
+                                   request.stop_and_copy)
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        return pb.MoveStreamResponse(**res)
 
     async def DrainWorker(
         self, request: pb.DrainWorkerRequest, grpc_context: Any

@@ -107,6 +107,11 @@ class KVServeIngress(GrpcFrontend):
     async def drain(self, body: admin.DrainRequest) -> dict[str, Any]:
         return await admin.drain(self.service, body.worker, body.timeout_s)
 
+    @app.post("/v1/admin/move")
+    async def move(self, body: admin.MoveRequest) -> dict[str, Any]:
+        return await admin.move(self.service, body.request_id, body.worker_id,
+                                body.stop_and_copy)
+
     @app.get("/v1/server_info")
     async def server_info(self) -> dict[str, Any]:
         return await self.service.server_info()

@@ -2,8 +2,8 @@
 
 Serve owns the HTTP and gRPC proxies: `kvserve serve` starts them on ServeConfig's
 `http_host` / `http_port` / `grpc_port`, but under `serve run` / `serve deploy` (and KubeRay)
-the config file's `http_options` / `grpc_options` do, and the application's args cannot move
-them. Left unset (None), those fields follow Serve's; set to something else, the app refuses
+the config file's `http_options` / `grpc_options` do (TLS files included), and the
+application's args cannot move them. Left unset (None), those fields follow Serve's; set to something else, the app refuses
 to start and names the setting that decides, rather than run on other ports than it says.
 """
 
@@ -25,6 +25,11 @@ def mismatches(cfg: ServeConfig, http: Any, grpc: Any) -> list[str]:
     if cfg.http_host is not None and cfg.http_host != http.host:
         out.append(f"http_host={cfg.http_host!r}, but Serve's HTTP proxy binds {http.host!r} "
                    "(http_options.host)")
+    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):  # TLS the proxy does not serve
+        mine, theirs = getattr(cfg, name, None), getattr(http, name, None)
+        if mine and mine != theirs:
+            out.append(f"{name}={mine!r}, but Serve's HTTP proxy has {theirs!r} "
+                       f"(http_options.{name})")
     if cfg.grpc_port is not None and cfg.grpc_port != grpc.port:
         out.append(f"grpc_port={cfg.grpc_port}, but Serve's gRPC proxy listens on port "
                    f"{grpc.port} (grpc_options.port)")
@@ -43,5 +48,6 @@ async def check_proxies(cfg: ServeConfig) -> None:
         raise StartupError(
             "the app's settings do not match Ray Serve's proxies: " + "; ".join(bad) + ". Under "
             "`serve run` / `serve deploy` the proxies are set by the config file's http_options "
-            "and grpc_options: set the ports and host there, and leave http_port, grpc_port and "
-            "http_host out of the app's args (or give the same values)")
+            "and grpc_options: set the ports, host and TLS files there (docs/serving.md, "
+            "\"Security\", for gRPC's TLS), and leave them out of the app's args (or give the "
+            "same values)")

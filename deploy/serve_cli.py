@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.deploy import tls
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.placement import PlacementError, check_placement
 from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
 from kvserve.deploy.serve_stop import (
@@ -25,7 +27,8 @@ from kvserve.deploy.serve_stop import (
     end_own_processes,
     stop_service,
 )
-from kvserve.errors import KVServeError, StartupError
+from kvserve.deploy.startup_states import StartupStates
+from kvserve.errors import ConfigError, KVServeError, StartupError
 
 
 @dataclass
@@ -74,23 +77,29 @@ def deploy(
     """Start a local Ray if none is running, start Serve on the configured ports, deploy.
 
     A Ray started here listens on `ray_host` only (loopback by default); `ray_init` entries
-    win over that. A Ray that is already running keeps its own settings."""
-    start_ray(cfg, ray_init, ray_host)
+    win over that. A Ray that is already running keeps its own settings. Workers that the
+    nodes can never hold fail first (PlacementError, deploy/placement.py)."""
+    own = start_ray(cfg, ray_init, ray_host)
+    check_placement(cfg, own_ray=own)
     return deploy_app(cfg, start_timeout_s)
 
 
 def start_ray(cfg: ServeConfig, ray_init: dict[str, Any] | None = None,
-              ray_host: str = LOOPBACK) -> None:
+              ray_host: str = LOOPBACK) -> bool:
     """Connect to the running Ray (this process's, $RAY_ADDRESS or one `ray start` began on
-    this machine), or start a local one."""
+    this machine), or start a local one. Returns whether it started one (a local Ray, which
+    cannot add nodes)."""
     if not _ray_running():
         keep_ray_local(ray_host)
     import ray
 
-    if not ray.is_initialized():
-        if cfg.num_gpus_per_worker == 0:
-            apply_cpu_host_defaults()
-        init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+    if ray.is_initialized():
+        return False
+    own = not _joining() and (ray_init or {}).get("address") in (None, "local")
+    if cfg.num_gpus_per_worker == 0:
+        apply_cpu_host_defaults()
+    init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+    return own
 
 
 def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoints:
@@ -103,15 +112,20 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
     if start_timeout_s is None:
         start_timeout_s = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
     deadline = time.monotonic() + start_timeout_s
+    tls.check(cfg)
+    env = tls.proxy_env(cfg)  # the proxies get it from the controller (deploy/proxy_tls.py)
     _until_ready(lambda: serve.start(
-        http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port),
+        http_options=HTTPOptions(host=cfg.http_host, port=cfg.http_port, **tls.http_options(cfg)),
         grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+        controller_options={"runtime_env": {"env_vars": env}} if env else None,
     ), f"Serve's proxies (HTTP {cfg.http_host}:{cfg.http_port}, gRPC :{cfg.grpc_port})", deadline)
+    tls.check_running_serve(cfg)
     _until_ready(lambda: serve.run(build_app(cfg), name=APP_NAME, route_prefix="/"),
                  f"the {APP_NAME} application (router, {cfg.num_workers} worker(s) loading the "
                  "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
-    return Endpoints(f"{host}:{cfg.grpc_port}", f"http://{host}:{cfg.http_port}")
+    scheme = "https" if cfg.tls else "http"
+    return Endpoints(f"{host}:{cfg.grpc_port}", f"{scheme}://{host}:{cfg.http_port}")
 
 
 def _ray_running() -> bool:
@@ -199,8 +213,10 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         print("kvserve: stopped", flush=True)
         _exit_now(0)
 
-    # First, before the process-wide state below (stop handlers, subreaper): a model name
-    # that does not resolve is the first error to hear about, and leaves nothing installed.
+    # First, before the process-wide state below (stop handlers, subreaper): unusable
+    # certificate files, then a model name that does not resolve, are the first errors to
+    # hear about, and leave nothing installed.
+    tls.check(cfg)
     try:
         with _interrupted_by_signals():
             _resolve_tokenizer(cfg)
@@ -217,16 +233,23 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
           flush=True)
     ray_init = {} if joining else {"include_dashboard": True, "dashboard_port": dashboard_port
                                    or _free_port(), "_metrics_export_port": metrics_port or None}
+    shown: StartupStates | None = None
     try:
         with signals.interrupting():
             with signals.kept():
-                start_ray(cfg, ray_init, ray_host)
+                own = start_ray(cfg, ray_init, ray_host)
+            check_placement(cfg, own_ray=own)  # before any model loads
             print(f"kvserve: deploying {cfg.model_name()} on {cfg.num_workers} worker(s) "
                   "(the model loads) ...", flush=True)
-            ep = _deploy_showing_states(cfg)
-            _print_banner(cfg, ep)
+            ep, shown = _deploy_showing_states(cfg)
+            _print_banner(cfg, ep, shown.not_ready())
+            shown.keep_showing()  # the workers still waiting: their progress, then ready
     except KeyboardInterrupt:  # a signal during the start: stop what started
         pass
+    except PlacementError as e:  # nothing deployed yet: only Ray to stop (or leave)
+        print(f"kvserve: error: {e}", flush=True)
+        _stop_ray(ports)
+        _exit_now(2)
     except KVServeError as e:  # a worker that failed to start says why, in one line
         print(f"kvserve: {e}; stopping what started", flush=True)
         _stop(cfg, signals)
@@ -237,6 +260,8 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         _stop(cfg, signals)
         _exit_now(1)
     signals.stop.wait()  # a signal's handler sets it (the wait wakes for the handler)
+    if shown is not None:
+        shown.stop()
     name = signal.Signals(signals.signum).name if signals.signum else "a signal"
     print(f"kvserve: {name}: shutting down (requests in flight get {cfg.shutdown_grace_s:g} s)",
           flush=True)
@@ -286,12 +311,13 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     context_limit(model_config, cfg.engine_config())
 
 
-def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
-    """deploy_app, printing each worker's start-up state as it changes."""
+def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:
+    """deploy_app, printing each worker's start-up state as it changes. Returns the states
+    as the app came up (it may serve while workers still wait for resources)."""
     shown = StartupStates(cfg.router_name)
     shown.start()
     try:
-        return deploy_app(cfg)
+        ep = deploy_app(cfg)
     except RuntimeError:  # Serve's "deploying failed" says less than the worker that failed
         failed = shown.failed()
         if not failed:
@@ -299,58 +325,9 @@ def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
         raise StartupError(f"the app did not start: {failed}") from None
     finally:
         shown.stop()
-
-
-class StartupStates:
-    """Prints each worker's start-up state when it changes (downloading the model with its
-    bytes, loading, capturing graphs), read from the router while the app deploys."""
-
-    PERIOD_S = 2.0
-
-    def __init__(self, router_name: str) -> None:
-        self.router_name = router_name
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="startup-states", daemon=True)
-        self._shown: dict[str, str] = {}
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def failed(self) -> str | None:
-        """'worker-i: failed: why' of a worker whose start-up failed, if any (asks once more)."""
-        try:
-            self.poll(quiet=True)
-        except Exception:
-            pass
-        return next((f"{w}: {s}" for w, s in self._shown.items() if s.startswith("failed: ")),
-                    None)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            try:
-                self.poll()
-            except Exception as e:  # not up yet, or restarting: the next poll tries again
-                log.debug("reading the workers' start-up states failed: %s", e)
-
-    def poll(self, quiet: bool = False) -> None:
-        import ray
-
-        from kvserve.router.lifecycle import find_router
-
-        if not ray.is_initialized():
-            return
-        router = find_router(self.router_name)
-        if router is None:
-            return
-        for w in ray.get(router.server_info.remote(), timeout=10)["workers"]:
-            state = w["state"]
-            if self._shown.get(w["worker_id"]) != state and state != "ready" and not quiet:
-                print(f"kvserve: {w['worker_id']}: {state}", flush=True)
-            self._shown[w["worker_id"]] = state
+    with contextlib.suppress(Exception):
+        shown.poll(quiet=True)  # as the app came up (the last poll may be 2 s old)
+    return ep, shown
 
 
 def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
@@ -366,6 +343,17 @@ def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
     stop_service(graceful, cfg.shutdown_grace_s, signals, [cfg.http_port, cfg.grpc_port])
 
 
+def _stop_ray(ports: list[int]) -> None:
+    """Stop the Ray this command started, before anything was deployed on it (Ray's own
+    shutdown: its processes end without a word to the console), or leave a joined one."""
+    import ray
+
+    t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    t.start()
+    t.join(30.0)
+    end_own_processes(ports, time.monotonic() + 10.0)
+
+
 def _exit_now(code: int) -> None:
     """Exit without the interpreter's teardown. Everything is stopped by now; what is left
     is freeing the heap (torch, Ray: seconds on a loaded machine), and Ray's exit handlers,
@@ -379,20 +367,33 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
+def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) -> None:
+    """Where everything is; the workers not serving yet (waiting for resources) with their
+    states."""
     from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
 
     ray_ep = ray_endpoints()
     context = _served_context(cfg)
-    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)"
+    n = cfg.num_workers
+    serving = f"{n - len(not_ready)} of {n}" if not_ready else f"{n}"
+    print(f"kvserve: serving {cfg.model_name()} on {serving} worker(s)"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
-    print(f"  gRPC       {ep.grpc_target}   (kvserve generate --server {ep.grpc_target} "
-          "--prompt ...)")
-    print(f"  HTTP       {ep.http_url}/v1   (OpenAI API: /v1/completions, /v1/chat/completions)")
+    for worker, state in not_ready.items():
+        print(f"  {worker:<10} {state}")
+    client_tls = ""
+    if cfg.tls:  # (--ca too where a private CA signed the server's certificate)
+        client_tls = " --tls --cert CERT.pem --key KEY.pem" if cfg.ssl_ca_certs else " --tls"
+    print(f"  gRPC       {ep.grpc_target}   ({_tls_note(cfg)}kvserve generate --server "
+          f"{ep.grpc_target}{client_tls} --prompt ...)")
+    print(f"  HTTP       {ep.http_url}/v1   ({_tls_note(cfg)}OpenAI API: /v1/completions, "
+          "/v1/chat/completions)")
     print(f"  metrics    {ray_ep.metrics_url}   (Prometheus; kvserve's series are ray_kvserve_*)")
     if ray_ep.dashboard_url:
         auth = f"   ({token_hint()})" if ray_ep.token_auth else ""
         print(f"  dashboard  {ray_ep.dashboard_url}{auth}")
+    warning = tls.exposure_warning(cfg)
+    if warning:
+        print(f"  WARNING    {warning}")
     print("Ctrl-C to stop", flush=True)
 
 
@@ -408,6 +409,12 @@ def _served_context(cfg: ServeConfig) -> int | None:
         return int(info["model_info"]["max_model_len"])
     except Exception:  # (the banner goes without it)
         return None
+
+
+def _tls_note(cfg: ServeConfig) -> str:
+    if not cfg.tls:
+        return ""
+    return "TLS, client certificates required; " if cfg.ssl_ca_certs else "TLS; "
 
 
 def _joining() -> bool:
@@ -451,7 +458,15 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices each worker spans, one rank per device on one node (the "
                         "model's heads, MLP and vocabulary split across them)")
-    s.add_argument("--cpus-per-worker", type=float, default=1)
+    s.add_argument("--cpus-per-worker", type=float, default=1,
+                   help="Ray CPUs each worker reserves on its node (a fraction lets more "
+                        "workers share a node's CPUs)")
+    s.add_argument("--wait-for-all-workers", action="store_true",
+                   help="serve only once every worker is ready; by default it serves once one "
+                        "is while others wait for resources (a node the autoscaler adds)")
+    s.add_argument("--placement-timeout-s", type=float, default=900.0,
+                   help="a worker that Ray has not placed on a node this long after its start "
+                        "is stopped and reported failed, with what it waited for (default 900)")
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
                         "default: automatic on CPU workers, every step on GPU")
@@ -471,6 +486,14 @@ def add_serve_parser(sub: Any) -> None:
                    help="largest request body / gRPC message accepted (HTTP 413 beyond)")
     s.add_argument("--api-key", action="append", default=[],
                    help="accepted API key (repeatable; also $KVSERVE_API_KEYS)")
+    t = s.add_argument_group("TLS (both APIs: HTTPS, and TLS on gRPC)")
+    t.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help="server certificate (chain); with --ssl-keyfile")
+    t.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                   help="its private key (without a passphrase)")
+    t.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help="CA certificate(s): clients must present a certificate one of them "
+                        "signed (mutual TLS)")
     s.add_argument("--routing-policy", default="affinity",
                    choices=["affinity", "least_loaded", "round_robin"])
     s.add_argument("--max-inflight-per-worker", type=int, default=256)
@@ -514,13 +537,29 @@ def config_from_args(a: Any) -> ServeConfig:
         import torch
 
         gpus = a.tensor_parallel_size if torch.cuda.is_available() else 0
-    cfg = ServeConfig(
+    from pydantic import ValidationError
+
+    try:
+        return _serve_config(a, engine, gpus)
+    except ValidationError as e:  # one line, as the other start-up errors
+        raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
+
+
+def _error_line(err: Any) -> str:
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    field = ".".join(str(x) for x in err["loc"])
+    return f"{field}: {msg}" if field else msg
+
+
+def _serve_config(a: Any, engine: dict[str, Any], gpus: float) -> ServeConfig:
+    return ServeConfig(
         model=a.model, num_workers=a.workers, num_gpus_per_worker=gpus,
         tensor_parallel_size=a.tensor_parallel_size,
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,
         routing_policy=a.routing_policy, max_inflight_per_worker=a.max_inflight_per_worker,
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
-        shutdown_grace_s=a.shutdown_grace_s,
+        shutdown_grace_s=a.shutdown_grace_s, ssl_certfile=a.ssl_certfile,
+        ssl_keyfile=a.ssl_keyfile, ssl_ca_certs=a.ssl_ca_certs,
+        wait_for_all_workers=a.wait_for_all_workers, placement_timeout_s=a.placement_timeout_s,
     )
-    return cfg

@@ -139,6 +139,9 @@ class KVCacheManager:
         self.host: HostTier | None = None
         # streams parked while their blocks' write-back is in flight: blocks stay referenced
         self.held: dict[str, list[int]] = {}
+        # blocks a live move (workers/engine/live_move.py) reserved here for a stream on its
+        # way in, by request id: owned by no stream until the move commits
+        self.reserved: dict[str, list[int]] = {}
         self._demoted: list[tuple[int, int]] = []
 
     def attach_host(self, host: HostTier) -> None:
@@ -448,6 +451,59 @@ class KVCacheManager:
         self.tables.remove(state.slot)  # it leaves the batch; the blocks stay referenced
         return state
 
+    def unhold(self, stream_id: str, state: StreamState) -> None:
+        """Put a stream taken out by `hold` back in the batch with the same blocks (a live
+        move that did not commit)."""
+        blocks = self.held.pop(stream_id)
+        assert blocks == state.live_blocks, "a held stream's blocks changed"
+        state.slot = self.tables.add(state.block_ids)
+        state.plan = None
+        self.streams[stream_id] = state
+
+    # ---- live moves: blocks reserved for a stream arriving from another engine ----------
+    def reserve_blocks(self, key: str, n: int) -> list[int]:
+        """Take `n` more free blocks for `key`'s reservation (raises KVCacheFull, changing
+        nothing, when fewer are free). Cached content the allocator drops is demoted to the
+        host tier at once: the move writes into these blocks before any step could."""
+        if n > self.pool.num_free:
+            raise KVCacheFull(n, self.pool.num_free)
+        have = self.reserved.setdefault(key, [])
+        new = self.pool.allocate(n, after=have[-1] if have else None)
+        have.extend(new)
+        demoted, self._demoted = self._demoted, []
+        if demoted and self.host is not None:
+            self.host.demote(demoted)
+        return new
+
+    def release_reservation(self, key: str) -> int:
+        """Return a reservation's blocks (the move was called off); how many."""
+        blocks = self.reserved.pop(key, [])
+        self.pool.unallocate(blocks)
+        return len(blocks)
+
+    def adopt_reserved(self, key: str, num_computed: int, hashes: list[int]) -> StreamState:
+        """Make a reservation a running stream holding `num_computed` tokens of KV (written
+        into its first blocks by the move); `hashes` are its full blocks' chained hashes,
+        published to the prefix cache. Blocks beyond what the tokens fill go back."""
+        blocks = self.reserved.pop(key)
+        need = self.blocks_needed(num_computed)
+        if need > len(blocks):
+            self.reserved[key] = blocks
+            raise ValueError(f"stream {key!r}: {num_computed} tokens need {need} blocks, "
+                             f"{len(blocks)} reserved")
+        keep, spare = blocks[:need], blocks[need:]
+        self.pool.unallocate(spare)
+        state = StreamState(block_ids=list(keep), num_computed=num_computed,
+                            block_hashes=list(hashes[: num_computed // self.block_size]))
+        if self.enable_prefix_caching:
+            for b, h in zip(state.block_ids, state.block_hashes, strict=False):
+                self.pool.register(b, h)
+        else:
+            state.block_hashes = []
+        state.slot = self.tables.add(state.block_ids)
+        self.streams[key] = state
+        return state
+
     def release_held(self, stream_id: str) -> None:
         blocks = self.held.pop(stream_id, None)
         if blocks is not None:
@@ -490,7 +546,7 @@ class KVCacheManager:
                 raise AssertionError(f"stream {sid}: its block-table row differs from its blocks")
             for b in s.live_blocks:
                 refs[b] += 1
-        for blocks in self.held.values():
+        for blocks in [*self.held.values(), *self.reserved.values()]:
             for b in blocks:
                 refs[b] += 1
         if refs != self.pool.ref_cnt:

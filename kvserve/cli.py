@@ -95,6 +95,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
     params = _params(a)
+    tls_flags = [f for f, v in (("--tls", a.tls), ("--ca", a.ca), ("--cert", a.cert),
+                                ("--key", a.key)) if v]
+    if tls_flags and not a.server:
+        from kvserve.errors import ConfigError
+
+        raise ConfigError(f"{', '.join(tls_flags)}: for a server (--server HOST:PORT) only")
     if a.server:  # stream from a running server over gRPC instead of loading the model here
         from kvserve.errors import ConfigError
         from kvserve.grpc_client import cmd_generate_remote
@@ -160,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream from a running `kvserve serve` over gRPC")
     r.add_argument("--api-key", default=None)
     r.add_argument("--session-id", default=None, help="multi-turn affinity (same worker)")
+    r.add_argument("--tls", action="store_true",
+                   help="connect with TLS (the system's CAs unless --ca); implied by --ca/--cert")
+    r.add_argument("--ca", default=None, metavar="PEM", help="CA certificate(s) to verify the "
+                   "server with (a server with a private CA)")
+    r.add_argument("--cert", default=None, metavar="PEM",
+                   help="client certificate, for a server that requires one (with --key)")
+    r.add_argument("--key", default=None, metavar="PEM", help="the client certificate's key")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="chat with the model through its chat template (offline)")
     c.add_argument("message", nargs="*", help="the user message; none = interactive")

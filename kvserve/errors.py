@@ -16,10 +16,6 @@ class InvalidRequestError(KVServeError, ValueError):
     """A request's parameters or prompt are invalid (maps to HTTP 400 / INVALID_ARGUMENT)."""
 
 
-class ConfigError(KVServeError, ValueError):
-    """A setting that cannot be honoured as given; the message names it and the ways out."""
-
-
 class OutOfKVCacheError(KVServeError):
     """A request alone needs more KV blocks than the whole device pool holds."""
 
@@ -31,3 +27,8 @@ class StartupError(KVServeError):
 class EngineDeadError(KVServeError):
     """The engine cannot step any more: a rank of a tensor-parallel engine died or its group
     failed. The message names the rank; the worker that holds the engine must be restarted."""
+
+
+class ConfigError(KVServeError, ValueError):
+    """A setting that cannot be honoured as given (invalid, or a file it names cannot be
+    used); the message names it and the ways out."""

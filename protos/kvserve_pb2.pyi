@@ -325,7 +325,7 @@ class HostTierInfo(_message.Message):
     def __init__(self, restore_policy: _Optional[str] = ..., copy_gbps_d2h: _Optional[float] = ..., copy_gbps_h2d: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., restores: _Optional[_Mapping[str, int]] = ..., writebacks_skipped: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier", "tensor_parallel_size", "devices", "runtime")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier", "tensor_parallel_size", "devices", "runtime", "streams")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,7 @@ class WorkerInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     running: int
@@ -378,7 +379,20 @@ class WorkerInfo(_message.Message):
     tensor_parallel_size: int
     devices: _containers.RepeatedScalarFieldContainer[str]
     runtime: _containers.ScalarMap[str, str]
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., runtime: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    streams: _containers.RepeatedCompositeFieldContainer[StreamInfo]
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., streams: _Optional[_Iterable[_Union[StreamInfo, _Mapping]]] = ...) -> None: ...
+
+class StreamInfo(_message.Message):
+    __slots__ = ("request_id", "state", "tokens", "kv_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: str
+    tokens: int
+    kv_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url", "max_model_len")
@@ -417,3 +431,31 @@ class DrainWorkerResponse(_message.Message):
     drained: bool
     sessions_moved: int
     def __init__(self, worker_id: _Optional[str] = ..., streams_moved: _Optional[int] = ..., drained: _Optional[bool] = ..., sessions_moved: _Optional[int] = ...) -> None: ...
+
+class MoveStreamRequest(_message.Message):
+    __slots__ = ("request_id", "worker_id", "stop_and_copy")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_AND_COPY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    stop_and_copy: bool
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., stop_and_copy: _Optional[bool] = ...) -> None: ...
+
+class MoveStreamResponse(_message.Message):
+    __slots__ = ("request_id", "from_worker", "to_worker", "method", "stall_ms", "bytes", "rounds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    STALL_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_worker: str
+    to_worker: str
+    method: str
+    stall_ms: float
+    bytes: int
+    rounds: int
+    def __init__(self, request_id: _Optional[str] = ..., from_worker: _Optional[str] = ..., to_worker: _Optional[str] = ..., method: _Optional[str] = ..., stall_ms: _Optional[float] = ..., bytes: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...

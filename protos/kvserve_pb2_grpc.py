@@ -74,6 +74,11 @@ class KVServeStub:
                 request_serializer=kvserve__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=kvserve__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.MoveStream = channel.unary_unary(
+                '/kvserve.v1.KVServe/MoveStream',
+                request_serializer=kvserve__pb2.MoveStreamRequest.SerializeToString,
+                response_deserializer=kvserve__pb2.MoveStreamResponse.FromString,
+                _registered_method=True)
 
 
 class KVServeServicer:
@@ -127,6 +132,12 @@ class KVServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_KVServeServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=kvserve__pb2.DrainWorkerRequest.FromString,
                     response_serializer=kvserve__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'MoveStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveStream,
+                    request_deserializer=kvserve__pb2.MoveStreamRequest.FromString,
+                    response_serializer=kvserve__pb2.MoveStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class KVServe:
             '/kvserve.v1.KVServe/DrainWorker',
             kvserve__pb2.DrainWorkerRequest.SerializeToString,
             kvserve__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVServe/MoveStream',
+            kvserve__pb2.MoveStreamRequest.SerializeToString,
+            kvserve__pb2.MoveStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,11 +64,17 @@ class RouterMetrics:
 
 
 
+MOVE_REASONS = ("rebalance", "drain", "operator", "parked")
+MOVE_KEYS = ("reason", "method", "outcome")
+STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROUND_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+
+
 class MigrationMetrics:
     """Stream and session moves and drains, per worker (the mover records them)."""
 
     def __init__(self, policy: str, worker_ids: list[str]) -> None:
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         tags = {"policy": policy}
         keys = ("policy", "worker", "direction")
@@ -84,6 +90,22 @@ class MigrationMetrics:
                                 tag_keys=("policy", "worker")).set_default_tags(tags)
         self.draining = Gauge("kvserve_worker_draining", "0 serving, 1 draining, 2 drained",
                               tag_keys=("policy", "worker")).set_default_tags(tags)
+        self.moves = Counter("kvserve_stream_moves", "stream moves by reason (rebalance, drain, "
+                             "operator, parked), method (live, snapshot) and outcome (moved, "
+                             "refused, failed)", tag_keys=("policy", *MOVE_KEYS)
+                             ).set_default_tags(tags)
+        self.stall = Histogram("kvserve_stream_move_stall_seconds", "time a moved stream ran "
+                               "on neither worker, by method (live: the final stage)",
+                               boundaries=list(STALL_BUCKETS), tag_keys=("policy", "method")
+                               ).set_default_tags(tags)
+        self.rounds = Histogram("kvserve_stream_move_rounds", "copy rounds of a live move "
+                                "(pre-copy rounds and the final stage)",
+                                boundaries=list(ROUND_BUCKETS), tag_keys=("policy",)
+                                ).set_default_tags(tags)
+        for reason in MOVE_REASONS:
+            for method in ("live", "snapshot"):
+                for outcome in ("moved", "refused", "failed"):
+                    zero(self.moves, {"reason": reason, "method": method, "outcome": outcome})
         self.states = {w: "serving" for w in worker_ids}
         for w in worker_ids:
             for d in ("in", "out"):
@@ -107,6 +129,13 @@ class MigrationMetrics:
             self.streams.inc(tags={"worker": w, "direction": d})
             if nbytes:
                 self.bytes.inc(nbytes, tags={"worker": w, "direction": d})
+
+    def stream_move(self, reason: str, method: str, outcome: str, res: dict) -> None:
+        self.moves.inc(tags={"reason": reason, "method": method, "outcome": outcome})
+        if outcome == "moved":
+            self.stall.observe(res.get("stall_ms", 0.0) / 1e3, tags={"method": method})
+            if method == "live":
+                self.rounds.observe(res.get("rounds", 0))
 
     def failed(self, dst: str) -> None:
         self.failures.inc(tags={"worker": dst})

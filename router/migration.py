@@ -1,4 +1,13 @@
-"""The migration planner: which parked streams move where (pure, no Ray).
+"""The migration planner: which streams move where (pure, no Ray).
+
+Running streams (`plan_rebalance`): a worker under KV pressure (streams parked in its host
+tier, or requests waiting, with its device KV at least `pressure_use` full) moves a running
+stream live to a worker with room for it and its growth (plus `headroom`), rather than keep
+parking: one move per pressured worker at a time, the largest running stream that fits the
+roomiest target (it frees the most), never a stream moved in the last `min_interval_s` (so
+nothing ping-pongs between two workers).
+
+Parked streams (`plan_moves`):
 
 A worker whose device KV is full parks streams in its host tier until it has room again.
 When a stream has spent longer than `park_threshold_s` parked (in all, across its
@@ -23,6 +32,18 @@ class MigrationConfig:
     min_interval_s: float = 5.0
     headroom: float = 0.1  # share of the target's device pool left free after the move
     import_timeout_s: float = 30.0
+    live: bool = True  # running streams move live (pre-copy); parked ones by snapshot
+    rebalance: bool = True  # pressured workers move running streams to workers with room
+    pressure_use: float = 0.9  # device KV use from which parking or waiting is pressure
+    growth_tokens: int = 256  # room a target keeps for a moved stream's growth
+    copy_share: float = 0.02  # of the source's step time a live move's round may copy
+
+
+@dataclass
+class RunningStream:
+    request_id: str
+    tokens: int
+    blocks: int  # device blocks it holds
 
 
 @dataclass
@@ -42,6 +63,8 @@ class WorkerState:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     parked: list[ParkedStream] = field(default_factory=list)  # oldest first
+    running: list[RunningStream] = field(default_factory=list)
+    block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,55 @@ def plan_moves(
         _, dst = max(fits)
         room[dst] -= s.blocks_needed
         moves.append(Move(s.request_id, src, dst, s.blocks_needed))
+        budget -= 1
+    return moves
+
+
+def pressured(w: WorkerState, cfg: MigrationConfig) -> bool:
+    """Parking streams, or requests waiting, with the device KV `pressure_use` full."""
+    if not w.alive or w.draining or not (w.parked or w.waiting) or w.kv_blocks_total <= 0:
+        return False
+    return 1.0 - w.kv_blocks_free / w.kv_blocks_total >= cfg.pressure_use
+
+
+def plan_rebalance(
+    workers: list[WorkerState], cfg: MigrationConfig, moving: set[str],
+    last_moved: dict[str, float], now: float, reserved: dict[int, int] | None = None,
+) -> list[Move]:
+    """Live moves of running streams from pressured workers to workers with room."""
+    budget = cfg.max_inflight - len(moving)
+    if not (cfg.enabled and cfg.live and cfg.rebalance) or budget <= 0:
+        return []
+    reserved = reserved or {}
+    room = {w.idx: w.kv_blocks_free - int(cfg.headroom * w.kv_blocks_total)
+            - reserved.get(w.idx, 0)
+            for w in workers
+            if w.alive and not w.draining and not w.parked and w.waiting == 0
+            and not pressured(w, cfg)}
+    busy = {m for m in moving}
+    moves: list[Move] = []
+    for w in sorted((w for w in workers if pressured(w, cfg)),
+                    key=lambda w: -(len(w.parked) + w.waiting)):
+        if budget <= 0 or not room:
+            break
+        if any(s.request_id in busy for s in w.running):
+            continue  # one move out of a worker at a time
+        grow = -(-cfg.growth_tokens // max(1, w.block_size))
+        best: tuple[int, int, RunningStream] | None = None
+        for s in w.running:
+            if s.request_id in busy or now - last_moved.get(s.request_id, float("-inf")) \
+                    < cfg.min_interval_s:
+                continue
+            need = s.blocks + grow
+            fits = [(free, idx) for idx, free in room.items() if idx != w.idx and free >= need]
+            if fits and (best is None or s.blocks > best[2].blocks):
+                best = (max(fits)[1], need, s)
+        if best is None:
+            continue
+        dst, need, s = best
+        room[dst] -= need
+        moves.append(Move(s.request_id, w.idx, dst, need))
+        busy.add(s.request_id)
         budget -= 1
     return moves
 

@@ -1,9 +1,12 @@
 """Moving streams between workers: planned migrations, explicit moves, and drains.
 
-A move is three worker calls: export on the source (the snapshot stays in Ray's object
-store and goes from there straight to the target, never through the router), import on
-the target, then hand-over on the source (its consumer learns where the stream went). A
-target that fails keeps nothing and the stream goes back to its source's queue.
+A running stream moves live (`router/live_move.py`): pre-copy rounds while it keeps decoding,
+then a short final stage; its client's stream goes on. A waiting or parked stream (or where
+a live move cannot run: a windowed stream, another block size) moves by snapshot, in three
+worker calls: export on the source (the snapshot stays in Ray's object store and goes from
+there straight to the target, never through the router), import on the target, then
+hand-over on the source (its consumer learns where the stream went). A target that fails
+keeps nothing and the stream goes back to its source.
 
 A drained worker's sessions move too: each session's latest prompt blocks that the worker's
 host tier still caches go to the session's new worker, so its next turn is a prefix hit.
@@ -22,14 +25,17 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from kvserve.router.live_move import LiveMoveConfig, MoveFailed, RayWorker, live_move
 from kvserve.router.metrics import MigrationMetrics
 from kvserve.router.migration import (
     MigrationConfig,
     Move,
     ParkedStream,
+    RunningStream,
     WorkerState,
     drain_target,
     plan_moves,
+    plan_rebalance,
 )
 from kvserve.router.policy import WorkerView
 from kvserve.workers.worker_actor import stop_worker
@@ -50,6 +56,7 @@ class StreamMover:
         self.sessions = sessions  # the router's session -> worker map (shared, not copied)
         self.max_sessions = max_sessions
         self.session_prefix: OrderedDict[str, list[int]] = OrderedDict()  # latest prompt
+        self.request_sessions: OrderedDict[str, str] = OrderedDict()  # request -> its session
         self.handles = handles
         self.views = views
         self.parked: dict[int, list[ParkedStream]] = {}
@@ -64,6 +71,9 @@ class StreamMover:
         self._tasks: set[asyncio.Task] = set()
         self._session_copies: set[asyncio.Task] = set()
         self._drains: dict[int, asyncio.Task] = {}  # drains under way, by worker
+        self.block_size = 16  # the engines' (set by the router once they answered)
+        # moves a worker takes part in at once (as source or target), whoever starts them
+        self._per_worker: dict[int, asyncio.Semaphore] = {}
 
     # ---- the router's view ------------------------------------------------------------------
     def observe(self, idx: int, load: dict[str, Any], sent_at: float) -> None:
@@ -136,7 +146,10 @@ class StreamMover:
     def states(self) -> list[WorkerState]:
         return [WorkerState(v.idx, v.alive and v.idx not in self.drained, v.idx in self.draining,
                             v.waiting, v.kv_blocks_free, v.kv_blocks_total,
-                            self.parked.get(v.idx, []))
+                            self.parked.get(v.idx, []),
+                            [RunningStream(s["request_id"], s["tokens"], s["blocks"])
+                             for s in v.streams if s.get("state") == "running"],
+                            self.block_size)
                 for v in self.views]
 
     def stats(self, idx: int) -> dict[str, float]:
@@ -156,11 +169,17 @@ class StreamMover:
         now = time.monotonic()
         self.last_moved = {r: t for r, t in self.last_moved.items()
                            if now - t < self.cfg.min_interval_s}
-        for m in plan_moves(self.states(), self.cfg, self.moving, self.last_moved, now,
-                            self.reserved()):
+        states = self.states()
+        planned = [(m, "parked", "snapshot") for m in plan_moves(
+            states, self.cfg, self.moving, self.last_moved, now, self.reserved())]
+        for m, _, _ in planned:
+            self.moving.add(m.request_id)  # counted now: the rebalance plan sees it in flight
+        planned += [(m, "rebalance", "live") for m in plan_rebalance(
+            states, self.cfg, self.moving, self.last_moved, now, self.reserved())]
+        for m, reason, method in planned:
             self.moving.add(m.request_id)  # counted now: the next tick sees it in flight
             self.incoming[m.request_id] = (m.dst, m.blocks, float("inf"))
-            task = asyncio.create_task(self.move(m.request_id, m.src, m.dst))
+            task = asyncio.create_task(self.move(m.request_id, m.src, m.dst, reason, method))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(lambda t, m=m: self._landed(m, t))
@@ -175,19 +194,91 @@ class StreamMover:
             self.incoming.pop(m.request_id, None)
 
     # ---- one move -----------------------------------------------------------------------------
-    async def move(self, request_id: str, src: int, dst: int) -> dict[str, Any]:
-        """Move one unfinished request's stream from worker `src` to `dst`."""
+    async def move(self, request_id: str, src: int, dst: int, reason: str = "operator",
+                   method: str = "auto") -> dict[str, Any]:
+        """Move one unfinished request's stream from worker `src` to `dst`.
+
+        `method`: "live" (a running stream, pre-copied while it decodes), "snapshot"
+        (stop-and-copy), or "auto": live where the stream runs and both workers can, else by
+        snapshot. The answer: {"request_id", "src", "dst", "method", "bytes", "stall_ms",
+        "rounds"}, or {"error", "refused"} (refused: the target has no room; the stream is
+        untouched where it was)."""
         if src == dst:
-            return {"error": "source and target are the same worker"}
+            return {"error": "source and target are the same worker", "refused": True}
         self.moving.add(request_id)
         self.last_moved[request_id] = time.monotonic()
         try:
-            return await self._move(request_id, src, dst)
+            a, b = (self._slot(i) for i in sorted((src, dst)))  # in order: no deadlock
+            async with a, b:
+                res = await self._move_by(request_id, src, dst, method)
         finally:
             self.moving.discard(request_id)
             # the interval runs from the move's end: one that failed after a long import
             # timeout must not be retried by the very next round
             self.last_moved[request_id] = time.monotonic()
+        outcome = "moved" if "error" not in res else "refused" if res.get("refused") else "failed"
+        if self.metrics:
+            self.metrics.stream_move(reason, res.get("method", method), outcome, res)
+        if outcome == "moved":
+            self._follow_session(request_id, src, dst)
+        return res
+
+    async def _move_by(self, rid: str, src: int, dst: int, method: str) -> dict[str, Any]:
+        if method in ("auto", "live") and self.cfg.live:
+            try:
+                r = await live_move(RayWorker(self.handles[src], self.views[src].worker_id),
+                                    RayWorker(self.handles[dst], self.views[dst].worker_id),
+                                    dst, rid, self._live_cfg())
+            except MoveFailed as e:
+                if not (method == "auto" and e.snapshot):
+                    if e.side == "target" and not e.refused:
+                        self._target_failed(dst)
+                    return {"error": str(e), "refused": e.refused, "method": "live",
+                            "side": e.side}
+            else:
+                n = r.bytes
+                self.counts[src].update(out=1, bytes_out=n)
+                self.counts[dst].update({"in": 1, "bytes_in": n})
+                if self.metrics:
+                    self.metrics.moved(self.views[src].worker_id, self.views[dst].worker_id, n)
+                return {"request_id": rid, "src": src, "dst": dst, "method": "live",
+                        "bytes": n, "stall_ms": r.stall_s * 1e3, "rounds": r.rounds,
+                        "precopy_ms": r.precopy_s * 1e3}
+        elif method == "live":
+            return {"error": "live moves are turned off (migration_live)", "refused": True,
+                    "method": "live"}
+        t0 = time.monotonic()
+        res = await self._move(rid, src, dst)
+        res["method"] = "snapshot"
+        if "error" not in res:
+            res.update(stall_ms=(time.monotonic() - t0) * 1e3, rounds=1)
+        return res
+
+    def _slot(self, idx: int) -> asyncio.Semaphore:
+        sem = self._per_worker.get(idx)
+        if sem is None:
+            sem = self._per_worker[idx] = asyncio.Semaphore(max(1, self.cfg.max_inflight))
+        return sem
+
+    def _live_cfg(self) -> LiveMoveConfig:
+        return LiveMoveConfig(copy_share=self.cfg.copy_share, growth_tokens=self.cfg.growth_tokens,
+                              call_timeout_s=self.cfg.import_timeout_s)
+
+    def _target_failed(self, dst: int) -> None:
+        self.counts[dst]["failures"] += 1
+        if self.metrics:
+            self.metrics.failed(self.views[dst].worker_id)
+
+    def _follow_session(self, rid: str, src: int, dst: int) -> None:
+        """The session of a moved request follows it: its next turn finds its KV there."""
+        session = self.request_sessions.get(rid)
+        if session is not None and self.sessions.get(session) == src:
+            self.sessions[session] = dst
+
+    def note_request(self, request_id: str, session: str) -> None:
+        self.request_sessions[request_id] = session
+        if len(self.request_sessions) > self.max_sessions:
+            self.request_sessions.popitem(last=False)
 
     async def _move(self, rid: str, src: int, dst: int) -> dict[str, Any]:
         meta_ref, data_ref = self.handles[src].export_stream.remote(rid)
@@ -207,9 +298,7 @@ class StreamMover:
                 imported.add_done_callback(lambda f: self._drop_late_import(f, dst, rid))
             res = {"error": f"{type(e).__name__}: {e}"}
         if "error" in res:
-            self.counts[dst]["failures"] += 1
-            if self.metrics:
-                self.metrics.failed(self.views[dst].worker_id)
+            self._target_failed(dst)
             log.warning("moving %s to worker %d failed (%s); it goes back to worker %d",
                         rid, dst, res["error"], src)
             back = await self.handles[src].import_stream.remote(data_ref)
@@ -268,8 +357,11 @@ class StreamMover:
         sem = asyncio.Semaphore(max(1, self.cfg.max_inflight))
 
         async def one(rid: str, dst: int) -> bool:
-            async with sem:
-                return "error" not in await self.move(rid, idx, dst)
+            async with sem:  # live where the stream runs (or by snapshot where it cannot)
+                res = await self.move(rid, idx, dst, "drain", "auto")
+                if res.get("refused") and res.get("method") == "live":  # no room there now:
+                    res = await self.move(rid, idx, dst, "drain", "snapshot")  # parks there
+                return "error" not in res
 
         while True:
             ids = [r for r in await self.handles[idx].unfinished_ids.remote()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -37,6 +38,7 @@ class WorkerView:
     node_id: str = ""  # the Ray node the worker's current incarnation runs on
     devices: list[str] = field(default_factory=list)  # one per tensor-parallel rank
     runtime: dict[str, str] = field(default_factory=dict)  # attention, linears, CUDA graphs
+    streams: list[dict[str, Any]] = field(default_factory=list)  # its streams, last poll
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 

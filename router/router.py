@@ -8,6 +8,7 @@ ingress streams from the chosen worker directly, so routing costs one small acto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,14 +17,17 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from kvserve.errors import StartupError
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
+from kvserve.router.placement import WAITING, PlacementWatch, Verdict
 from kvserve.router.policy import RouteRequest, WorkerView, make_policy
 from kvserve.router.worker_state import WorkerState
-from kvserve.workers.worker_actor import create_worker
+from kvserve.workers.placement import worker_bundle
+from kvserve.workers.worker_actor import create_worker, device_group_of, stop_worker
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ RESIZE_DRAIN_TIMEOUT_S = 600.0  # a worker removed by a resize has this long to 
 PENDING_TTL_S = 5.0  # how long a just-routed prompt counts as held before a poll confirms it
 SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection only
 MAX_SESSIONS = 100_000
+PLACEMENT_CHECK_S = 1.0  # how often Ray is asked about workers it has not placed yet
+READY_CHECK_S = 0.5  # how often `ready` looks again at workers waiting for resources
 
 
 class RouterActor:
@@ -44,6 +50,11 @@ class RouterActor:
         self.deployed = RouterConfig(**router_config)
         self.digest = self.deployed.digest()
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
+        # new workers Ray has not placed yet; those it never placed in time (stopped)
+        self.placement = PlacementWatch(self.cfg.placement_timeout_s)
+        self.never_placed: set[int] = set()
+        self._watcher: asyncio.Task | None = None
+        self._answers: dict[int, asyncio.Future] = {}  # first `info` calls under way
         # created side by side: each call returns at once, the loads run in parallel
         self.handles = [self._start_worker(i) for i in range(self.cfg.num_workers)]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
@@ -71,12 +82,16 @@ class RouterActor:
         deadline = time.monotonic() + WORKER_NAME_WAIT_S
         while True:
             try:
-                return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
-                                     self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
-                                     name=name, namespace=NAMESPACE,
-                                     stream_interval_ms=self.cfg.stream_interval_ms,
-                                     model_name=self.cfg.model_name,
-                                     reporter=_own_handle())  # start-up progress comes here
+                handle = create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
+                                       self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
+                                       name=name, namespace=NAMESPACE,
+                                       stream_interval_ms=self.cfg.stream_interval_ms,
+                                       model_name=self.cfg.model_name,
+                                       reporter=_own_handle())  # start-up progress comes here
+                self.placement.track(i, handle._actor_id.hex(), worker_bundle(
+                    self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker),
+                    device_group_of(handle))
+                return handle
             except ValueError as e:
                 # the name is still held by the worker of a router that just died (this
                 # one's previous incarnation, or one replaced): Ray ends it, as its owner is gone
@@ -91,35 +106,140 @@ class RouterActor:
         return [v.idx for v in self.views if v.idx not in gone]
 
     # ---- setup ------------------------------------------------------------------------------
-    async def ready(self) -> dict[str, Any]:
-        """Wait until every serving worker has loaded its model; start polling. Returns
+    async def ready(self, wait_for_all: bool = False) -> dict[str, Any]:
+        """Wait until the serving workers have loaded their model; start polling. Returns
         model info. (A draining worker may stop meanwhile: it is not waited for.)
 
         A worker being restarted is not waited for: Ray fails calls to it at once, and it
         may wait for a node with room for a long time (its node was lost); the polls
-        notice it back. A worker that is starting for the first time is waited for."""
+        notice it back. A worker that is starting for the first time is waited for, unless
+        it waits for resources (no node has room for it yet, router/placement.py) and
+        another worker is ready: it joins once placed and loaded. `wait_for_all` waits for
+        every worker, and fails if one could not be placed in time."""
+        self._watch_placement()
         live = self._serving()
-        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live),
-                                     return_exceptions=True)
-        answered = []
-        for i, info in zip(live, infos, strict=True):
-            if isinstance(info, BaseException):
-                if not isinstance(info, RayActorError):
-                    raise info
-                self.views[i].alive = False
-                self.states[i].lost()
+        calls = {i: self._answer(i) for i in live}
+        while True:
+            failed = [i for i in live if i in self.never_placed]
+            if wait_for_all and failed:
+                raise StartupError(_states_text(self.views, self.states, failed))
+            unanswered = [f for f in calls.values() if not f.done()]
+            if not unanswered:
+                break
+            if not wait_for_all and any(_answered(f) for f in calls.values()) and all(
+                    self._unplaced(i) for i, f in calls.items() if not f.done()):
+                break
+            await asyncio.wait(unanswered, timeout=READY_CHECK_S)
+        answered, errors = [], []
+        for i, f in calls.items():
+            if not f.done():  # waits for resources: recorded when it answers (_late_answer)
                 continue
-            v = self.views[i]
-            v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
-            self.states[i].ready(info.get("load_s", 0.0))
-            answered.append(info)
+            info = self._record(i, f.result())
+            if info is None:
+                errors.append(f.result())
+            else:
+                answered.append(info)
         if not answered and self._info is None:
-            raise next(e for e in infos if isinstance(e, BaseException))
-        self._info = self._info or answered[0]
+            failed = [i for i in live if i in self.never_placed]
+            if failed:
+                raise StartupError("no worker started: "
+                                   + _states_text(self.views, self.states, failed))
+            if not errors:
+                raise StartupError("no worker to wait for (every worker is draining)")
+            raise errors[0]
+        if self._info is None:  # the context served is the shortest any worker holds
+            self._info = {**answered[0],
+                          "max_model_len": min(int(a["max_model_len"]) for a in answered)}
+        self.mover.block_size = int(self._info.get("block_size", self.mover.block_size))
         await self._poll_once()
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
         return self._info
+
+    def _answer(self, i: int) -> asyncio.Future:
+        """Worker i's answer to `info` (it answers once loaded): its info, or the error.
+        One call at a time; whoever waits for it or not, the answer is recorded."""
+        f = self._answers.get(i)
+        if f is None or f.done():
+            async def call() -> Any:
+                try:
+                    return await self.handles[i].info.remote()
+                except Exception as e:
+                    return e
+
+            f = self._answers[i] = asyncio.ensure_future(call())
+            f.add_done_callback(lambda f, i=i: self._late_answer(i, f.result()))
+        return f
+
+    def _record(self, i: int, info: Any) -> dict[str, Any] | None:
+        """Worker i answered `info` (or failed to): alive and ready, or lost."""
+        v = self.views[i]
+        if isinstance(info, BaseException):
+            if not isinstance(info, RayActorError):
+                raise info
+            v.alive = False
+            self.states[i].lost()
+            return None
+        v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
+        self.states[i].ready(info.get("load_s", 0.0))
+        self.placement.forget(i)
+        return info
+
+    def _late_answer(self, i: int, info: Any) -> None:
+        """Record worker i's answer, also where nobody waits for it (a worker that waited
+        for resources, or the workers of a restarted router, whose `ready` nobody calls)."""
+        if i in self.mover.drained or i in self.never_placed:
+            return
+        was_alive = self.views[i].alive
+        try:
+            if self._record(i, info) is not None and not was_alive:
+                log.warning("router: %s is ready (node %s)", self.views[i].worker_id,
+                            info.get("node_id", "?"))
+        except Exception as e:
+            log.error("router: %s failed to start: %s", self.views[i].worker_id, e)
+        self.metrics.workers_alive(self.views)
+
+    def _unplaced(self, i: int) -> bool:
+        """Worker i waits for resources, or was never placed: `ready` need not wait for it."""
+        return i in self.never_placed or self.states[i].state.startswith(WAITING)
+
+    # ---- placement --------------------------------------------------------------------------
+    def _watch_placement(self) -> None:
+        """Watch the workers Ray has not placed yet (started with the first `ready` or
+        `pick`, and again after new workers started)."""
+        if self.placement.watching() and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._placement_loop())
+
+    async def _placement_loop(self) -> None:
+        while self.placement.watching():
+            try:
+                verdicts = await asyncio.to_thread(self.placement.check)
+            except Exception:
+                log.exception("router: asking Ray about the workers' placement failed")
+                verdicts = {}
+            for i, verdict in verdicts.items():
+                self._placement_verdict(i, verdict)
+            await asyncio.sleep(PLACEMENT_CHECK_S)
+
+    def _placement_verdict(self, i: int, verdict: Verdict) -> None:
+        state = self.states[i]
+        if i in self.mover.drained or not state.unreported():
+            return  # the worker reports its own progress once it runs: that wins
+        wid = self.views[i].worker_id
+        if verdict.kind == "placed":
+            if state.state != "starting":
+                log.warning("router: %s has been placed", wid)
+                state.state = "starting"
+        elif verdict.kind == "failed":
+            state.state = verdict.state
+            self.never_placed.add(i)
+            self.views[i].alive = False
+            log.error("router: %s %s; stopped it", wid, verdict.state)
+            stop_worker(self.handles[i])  # so that it takes no node later
+        elif verdict.state != state.state:
+            if verdict.kind == "waiting":
+                log.warning("router: %s is %s (no node has them free)", wid, verdict.state)
+            state.state = verdict.state
 
     def config_digest(self) -> str:
         return self.digest
@@ -152,6 +272,8 @@ class RouterActor:
             added.append(i)
         if added:
             self.epoch = uuid.uuid4().hex  # the ingress refetches the handles
+            with contextlib.suppress(RuntimeError):  # (no loop here: `ready` starts it)
+                self._watch_placement()
         self.digest = self.deployed.digest()
         log.warning("router: resized to %d workers (draining %s, started %s)", n, removed, added)
         return {"draining": removed, "started": added}
@@ -179,6 +301,7 @@ class RouterActor:
         The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
+            self._watch_placement()
         alive = [v for v in self.views if v.alive and v.idx not in exclude
                  and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
         if not alive:
@@ -199,6 +322,8 @@ class RouterActor:
         for h in block_hashes:
             v.pending[h] = expiry
         if session_id:
+            if request_id:
+                self.mover.note_request(request_id, session_id)
             self.mover.session_routed(session_id, sw, d.idx, block_hashes, exclude)
             self.mover.note_session(session_id, block_hashes)
             self.sessions[session_id] = d.idx
@@ -230,9 +355,55 @@ class RouterActor:
         d.slots[slot_id] = time.monotonic()
         s.inflight, d.inflight = len(s.slots), len(d.slots)
 
-    async def move_stream(self, request_id: str, src: int, dst: int) -> dict[str, Any]:
-        """Move one unfinished request's stream to another worker (operators, tests)."""
-        return await self.mover.move(request_id, src, dst)
+    async def move_stream(self, request_id: str, src: int, dst: int,
+                          method: str = "auto") -> dict[str, Any]:
+        """Move one unfinished request's stream to another worker (tests, tools)."""
+        return await self.mover.move(request_id, src, dst, "operator", method)
+
+    async def move_request(self, request_id: str, worker: int | None = None,
+                           method: str = "auto") -> dict[str, Any]:
+        """An operator's move: find the worker serving `request_id` and move the stream to
+        `worker` (None: the serving worker with the most free KV). Errors carry a `code`:
+        not_found (no such request), invalid (no such target), no_room (the target
+        cannot take it; the stream is untouched), failed."""
+        if worker is not None and not 0 <= worker < len(self.views):
+            return {"error": f"no worker {worker}; workers are worker-0..worker-"
+                             f"{len(self.views) - 1}", "code": "invalid"}
+        src = await self._serving_worker(request_id)
+        if src is None:
+            return {"error": f"no unfinished request {request_id!r} on any worker",
+                    "code": "not_found"}
+        ok = [v for v in self.views if v.alive and v.idx != src
+              and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
+        if worker is None:
+            if not ok:
+                return {"error": "no other worker is available to take the stream",
+                        "code": "no_room"}
+            reserved = self.mover.reserved()
+            worker = max(ok, key=lambda v: v.kv_blocks_free - reserved.get(v.idx, 0)).idx
+        elif worker == src:
+            return {"error": f"request {request_id!r} is already on worker-{src}",
+                    "code": "invalid"}
+        elif worker not in {v.idx for v in ok}:
+            return {"error": f"worker-{worker} is not serving (dead, draining or drained)",
+                    "code": "invalid"}
+        res = await self.mover.move(request_id, src, worker, "operator", method)
+        if "error" in res:
+            if res.get("refused"):  # by the target (no room, ...) or the source (it ended)
+                res["code"] = "no_room" if res.get("side") != "source" else "not_found"
+            else:
+                res["code"] = "failed"
+        res["src_worker"], res["dst_worker"] = f"worker-{src}", f"worker-{worker}"
+        return res
+
+    async def _serving_worker(self, request_id: str) -> int | None:
+        live = [v.idx for v in self.views if v.alive and v.idx not in self.mover.drained]
+        answers = await asyncio.gather(
+            *(self.handles[i].unfinished_ids.remote() for i in live), return_exceptions=True)
+        for i, ids in zip(live, answers, strict=True):
+            if not isinstance(ids, BaseException) and request_id in ids:
+                return i
+        return None
 
     async def drain(self, idx: int, timeout_s: float = 600.0) -> dict[str, Any]:
         """Stop admitting to worker `idx`, move its streams to the others, stop it."""
@@ -243,7 +414,7 @@ class RouterActor:
     def worker_state(self, worker_id: str, incarnation: str, state: str, load_s: float) -> None:
         """A worker's start-up progress ("loading", "capturing graphs 3/9", "ready")."""
         idx = int(worker_id.rsplit("-", 1)[1])
-        if 0 <= idx < len(self.states):
+        if 0 <= idx < len(self.states) and idx not in self.never_placed:
             self.states[idx].report(incarnation, state, load_s)
 
     def report_failure(self, idx: int) -> None:
@@ -287,7 +458,14 @@ class RouterActor:
             self._update(v, load)
             self.mover.observe(v.idx, load, sent_at)
 
-        await asyncio.gather(*(one(v) for v in self.views if v.idx not in self.mover.drained))
+        # not those that never answered yet: a call to an actor Ray has not placed would
+        # wait in its queue (and pile up there); their first answer makes them alive
+        polled = [v for v in self.views
+                  if v.idx not in self.mover.drained and v.idx not in self.never_placed]
+        for v in polled:
+            if not v.incarnation:
+                self._answer(v.idx)
+        await asyncio.gather(*(one(v) for v in polled if v.incarnation))
         self.metrics.workers_alive(self.views)
 
     def _update(self, v: WorkerView, load: dict[str, Any]) -> None:
@@ -310,6 +488,7 @@ class RouterActor:
         v.stats = load["stats"]
         v.devices = load.get("devices", [])
         v.runtime = load.get("runtime", {})
+        v.streams = load.get("stream_list", [])
         now = time.monotonic()
         v.pending = {h: t for h, t in v.pending.items() if t > now}
         self._reconcile(v, set(load.get("slots", ())), now)
@@ -333,10 +512,17 @@ class RouterActor:
                             v.reconciled)
         v.inflight = len(v.slots)
 
-    def set_migration(self, enabled: bool) -> bool:
-        """Turn planned migrations on or off at run time (benches, operators); returns the
-        old setting. Explicit moves and drains work either way."""
-        old, self.mover.cfg.enabled = self.mover.cfg.enabled, bool(enabled)
+    def set_migration(self, enabled: bool, rebalance: bool | None = None,
+                      park_threshold_s: float | None = None) -> bool:
+        """Turn planned migrations on or off at run time (benches, operators, tests), and
+        optionally the live rebalancing of running streams and the parked streams' threshold;
+        returns the old on/off setting. Explicit moves and drains work either way."""
+        cfg = self.mover.cfg
+        old, cfg.enabled = cfg.enabled, bool(enabled)
+        if rebalance is not None:
+            cfg.rebalance = bool(rebalance)
+        if park_threshold_s is not None:
+            cfg.park_threshold_s = float(park_threshold_s)
         return old
 
     def set_max_inflight_per_worker(self, n: int) -> int:
@@ -367,10 +553,18 @@ class RouterActor:
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
                  "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s,
                  "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
-                 "runtime": v.runtime}
+                 "runtime": v.runtime, "streams": v.streams}
                 for v in self.views
             ],
         }
+
+
+def _answered(f: asyncio.Future) -> bool:
+    return f.done() and not isinstance(f.result(), BaseException)
+
+
+def _states_text(views: list[WorkerView], states: list[WorkerState], idx: list[int]) -> str:
+    return "; ".join(f"{views[i].worker_id}: {states[i].state}" for i in idx)
 
 
 def worker_actor_name(router_name: str, idx: int) -> str:

@@ -1,5 +1,7 @@
-"""The worker actor's side of stream moves: export, import, hand-over and resume; and of
-session moves: a session's cached prefix blocks exported and imported between host tiers.
+"""The worker actor's side of stream moves: export, import, hand-over and resume; live
+moves of running streams (reserve, pre-copy rounds, final stage, commit; see
+workers/engine/live_move.py); and session moves: a session's cached prefix blocks exported
+and imported between host tiers.
 
 The router moves a stream in three calls: `export_stream` here (two returns: a small
 verdict and the snapshot bytes, which stay in Ray's object store and go straight to the
@@ -16,6 +18,21 @@ from typing import Any
 import ray
 
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.live_move import MoveRefused
+
+
+async def _answer(call: Any) -> Any:
+    try:
+        return await call
+    except MoveRefused as e:
+        return {"error": str(e), "refused": True, "snapshot": e.snapshot}
+    except Exception as e:  # a fault on this side: the move is called off
+        return {"error": f"{type(e).__name__}: {e}", "refused": False}
+
+
+async def _answer2(call: Any) -> tuple[Any, Any]:
+    res = await _answer(call)
+    return (res, None) if isinstance(res, dict) else res
 
 
 class StreamMoves:
@@ -23,8 +40,8 @@ class StreamMoves:
 
     engine: AsyncLLMEngine
     worker_id: str
-    # fault injection (tests, drills): seconds an import holds its stream before answering,
-    # so a target can die or time out with the stream already in its engine
+    # fault injection (tests, drills): seconds an import, or a live move's write, holds its
+    # answer with what it brought already in the engine, so a target can die or time out then
     import_delay_s: float = 0.0
 
     @ray.method(num_returns=2)
@@ -59,6 +76,47 @@ class StreamMoves:
 
     def unfinished_ids(self) -> list[str]:
         return self.engine.unfinished_ids()
+
+    # ---- live moves: every answer is a dict, {"error": why, "refused": bool} on failure ----
+    # (refused: this worker cannot do it and nothing changed here; otherwise a fault)
+    async def live_begin(self, request_id: str, target: str) -> dict[str, Any]:
+        return await _answer(self.engine.live_begin(request_id, target))
+
+    @ray.method(num_returns=2)
+    async def live_round(self, request_id: str, copy_share: float,
+                         max_blocks: int | None = None) -> tuple[dict[str, Any], Any]:
+        """(meta, block bytes): the router awaits the meta, the bytes go to the target."""
+        return await _answer2(self.engine.live_round(request_id, copy_share, max_blocks))
+
+    @ray.method(num_returns=2)
+    async def live_freeze(self, request_id: str) -> tuple[dict[str, Any], Any]:
+        return await _answer2(self.engine.live_freeze(request_id))
+
+    async def live_finish(self, request_id: str, target: int) -> bool:
+        return await self.engine.live_finish(request_id, target)
+
+    async def live_abandon(self, request_id: str) -> bool:
+        return await self.engine.live_abandon(request_id)
+
+    async def live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
+        return await _answer(self.engine.live_reserve(info, growth_tokens))
+
+    async def live_write(self, request_id: str, meta: dict[str, Any], data: Any) -> dict[str, Any]:
+        written = await _answer(self.engine.live_write(request_id, meta, data))
+        if self.import_delay_s:
+            await asyncio.sleep(self.import_delay_s)
+        return written if isinstance(written, dict) else {"written": written}
+
+    async def live_commit(self, request_id: str, meta: dict[str, Any], data: Any) -> dict[str, Any]:
+        rid = await _answer(self.engine.live_commit(request_id, meta, data))
+        return rid if isinstance(rid, dict) else {"request_id": rid}
+
+    async def live_cancel(self, request_id: str) -> bool:
+        return await self.engine.live_cancel(request_id)
+
+    def live_moves(self) -> dict[str, Any]:
+        """Live moves under way here: {"out": [request ids], "in": [request ids]}."""
+        return self.engine.live_moves()
 
     @ray.method(num_returns=2)
     async def export_prefix(self, hashes: list[int]) -> tuple[int, bytes]:

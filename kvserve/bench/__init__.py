@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 BENCHES = ("offline", "batched", "agreement", "attention", "serve", "throughput", "pressure",
-           "multiturn", "soak", "hoststep", "moe", "tp")
+           "multiturn", "soak", "hoststep", "moe", "tp", "migrate")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

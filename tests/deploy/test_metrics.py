@@ -46,9 +46,10 @@ WORKER_HISTOGRAMS = ["time_to_first_token_seconds", "time_per_output_token_secon
                      "e2e_request_latency_seconds", "queue_wait_seconds"]
 MIGRATION_COUNTERS = ["migration_streams", "migration_bytes", "migration_failures",
                       "migration_sessions"]  # the router's, per worker
+MOVE_HISTOGRAMS = ["stream_move_stall_seconds", "stream_move_rounds"]  # the router's
 EXPORTED = sorted(
     [f"{P}{n}_total" for n in [*WORKER_COUNTERS, "requests_rejected", "router_decisions",
-                               "router_retries", *MIGRATION_COUNTERS]]
+                               "router_retries", "stream_moves", *MIGRATION_COUNTERS]]
     + [f"{P}{n}" for n in [*WORKER_GAUGES, "router_workers_alive", "worker_draining"]]
     + [f"{P}{n}_{s}" for n in WORKER_HISTOGRAMS for s in ("bucket", "sum", "count")]
 )
@@ -223,11 +224,24 @@ def _drive(app, stub, run: Run) -> dict[str, int]:
         stub.Generate(clash, metadata=_md(app), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "in use" in e.value.details()
     cancel([first])
+    # a running stream an operator moves live to the other worker (engines held meanwhile)
+    with app.held() as workers:
+        moved = stub.GenerateStream(pb.GenerateRequest(
+            prompt="Name ten rivers:", sampling=_sampling(24), request_id="metrics-move"),
+            metadata=_md(app), timeout=300)
+        idx, _ = app.worker_of(workers, "metrics-move")
+        ray.get(workers[idx].step_engine.remote())
+        next(moved)
+        res = stub.MoveStream(pb.MoveStreamRequest(request_id="metrics-move"), metadata=_md(app))
+        assert res.method == "live" and res.to_worker == f"worker-{1 - idx}"
+    run.usages.append(next((c.usage.prompt_tokens, c.usage.cached_tokens,
+                             c.usage.completion_tokens) for c in moved if c.finish_reason))
     # a cancel Serve dropped: that request ends as `length` on its worker
     lost = run.dropped_cancels = app.cancels_serve_dropped()
 
-    received = BURST + 3 + 3 + 1  # burst, repeat + session, cancelled streams, clash
-    return {"length": BURST + 3 + lost, "abort": 3 - lost, "error": 1, "received": received,
+    # burst, repeat + session, cancelled streams, clash, the moved stream
+    received = BURST + 3 + 3 + 1 + 1
+    return {"length": BURST + 3 + 1 + lost, "abort": 3 - lost, "error": 1, "received": received,
             "picks": received,  # each request that reached a worker was routed once
             "invalid": 3, "auth": 2, "overload": 1}
 
@@ -273,6 +287,8 @@ def test_every_metric_is_exported_with_its_tags(run):
     for (n, labels), _ in run.after.items():
         keys = {k for k, _ in labels}
         if n.startswith(P + "router_"):
+            assert "policy" in keys, n
+        elif n.startswith(P + "stream_move"):
             assert "policy" in keys, n
         elif n.startswith((P + "migration_", P + "worker_draining")):
             assert {"policy", "worker"} <= keys, n
@@ -343,6 +359,17 @@ def test_kv_counters_show_evictions_and_restores(run):
     assert run.total(f"{P}kv_restores_total", reason="not_on_host") <= restores
     # every (decision, reason) series exists from the start
     assert len({lab for n, lab in run.after if n == f"{P}kv_restores_total"}) >= 2 * 6
+
+
+def test_moves_are_counted_by_reason_method_and_outcome(run):
+    live = run.total(f"{P}stream_moves_total", reason="operator", method="live",
+                     outcome="moved")
+    assert live >= 1  # the operator's move (the planner may have moved more)
+    assert run.total(f"{P}stream_move_stall_seconds_count", method="live") >= live
+    assert run.total(f"{P}stream_move_rounds_count") >= live
+    assert run.total(f"{P}stream_move_stall_seconds_sum", method="live") > 0
+    # every (reason, method, outcome) series exists from the start
+    assert len({lab for n, lab in run.after if n == f"{P}stream_moves_total"}) == 4 * 2 * 3
 
 
 def test_cost_model_figures_are_exported(run):

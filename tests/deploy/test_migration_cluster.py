@@ -29,9 +29,14 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.router import RouterActor
 from kvserve.sampling import SamplingParams
 
+# a Ray cluster of its own (~90 s on the 2-core host); the default tier moves streams on the
+# shared service (test_serve_migration.py)
+pytestmark = pytest.mark.slow
+
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 512, "max_num_seqs": 16,
           "host_cache_gib": 0.2, "host_restore_policy": "copy"}
-TINY = {"kv_cache_tokens": 256, "admission_lookahead_tokens": 0}  # 16 blocks, greedy admission
+# 16 blocks, greedy admission; a context that pool can hold
+TINY = {"kv_cache_tokens": 256, "max_model_len": 256, "admission_lookahead_tokens": 0}
 MAX_TOKENS = 40
 
 
@@ -43,7 +48,7 @@ def cluster() -> Iterator[Any]:
     cfg = RouterConfig(num_workers=3, engine=ENGINE, num_cpus_per_worker=0.5,
                        max_imbalance=100, load_poll_interval_s=0.5, engine_overrides={0: TINY},
                        migration={"enabled": False, "park_threshold_s": 0.5,
-                                  "min_interval_s": 2.0})
+                                  "min_interval_s": 2.0, "rebalance": False})
     router = ray.remote(RouterActor).options(num_cpus=0, max_concurrency=1000).remote(
         cfg.to_dict())
     ray.get(router.ready.remote())
@@ -124,6 +129,25 @@ async def _until(what: str, probe: Any, done: Any, timeout: float = 120.0) -> An
         await asyncio.sleep(0.05)
 
 
+async def _burst_parked_on_worker0(cluster: Any, svc: Service, w0: Any, n: int,
+                                    session: str) -> tuple[list[asyncio.Task], dict[str, Any]]:
+    """`n` requests of one session, all on worker 0 with its engine held (the caller pauses
+    it), stepped by hand until its tiny pool has parked some of them while others run:
+    (the requests' tasks, worker 0's load then)."""
+    await _session_on_worker0(cluster, session)
+    tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
+    await _until("the streams never all reached worker 0", w0.load.remote,
+                 lambda ld: ld["waiting"] == n)
+    # admitted together, their KV outgrows the tiny pool: some are evicted (parked)
+    load = await w0.step_engine.remote()
+    for _ in range(200):
+        if load["parked"]:
+            break
+        load = await w0.step_engine.remote()
+    assert load["parked"] and load["running"], load
+    return tasks, load
+
+
 def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
     """Worker 0's engine is held while the streams arrive, then stepped by hand until its
     pool has parked some of them; held, it cannot restore them, so only the planner (off
@@ -141,18 +165,8 @@ def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
         await w0.pause_engine.remote()  # (planned migrations are off: nothing moves yet)
         tasks: list[asyncio.Task] = []
         try:
-            session = await _session_on_worker0(cluster, "hot")
-            tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
-            await _until("the streams never all reached worker 0", w0.load.remote,
-                         lambda ld: ld["waiting"] == n)
-            # admitted together, their KV outgrows the tiny pool: some are evicted (parked)
-            load = await w0.step_engine.remote()
-            for _ in range(200):
-                if load["parked"]:
-                    break
-                load = await w0.step_engine.remote()
+            tasks, load = await _burst_parked_on_worker0(cluster, svc, w0, n, "hot")
             parked = {p["request_id"] for p in load["parked_streams"]}
-            assert parked and load["running"], load
             start = await moved_in()
             await cluster.set_migration.remote(True)
             try:
@@ -257,7 +271,7 @@ def test_target_killed_mid_import_returns_the_stream_to_its_source(cluster, svc,
         session = await _session_on_worker0(cluster, "mid-import")
         task = await _mid_generation_on_worker0(handles[0], svc, session, "killed-mid-import")
         try:
-            move = cluster.move_stream.remote("killed-mid-import", 0, 2)
+            move = cluster.move_stream.remote("killed-mid-import", 0, 2, "snapshot")
             await _until("the import never reached worker 2's engine",
                          handles[2].unfinished_ids.remote, lambda ids: "killed-mid-import" in ids)
             ray.kill(handles[2], no_restart=False)  # Ray restarts it with an empty engine
@@ -295,7 +309,7 @@ def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smo
         session = await _session_on_worker0(cluster, "fail")
         task = await _mid_generation_on_worker0(handles[0], svc, session, "to-the-dead")
         try:
-            moved = await cluster.move_stream.remote("to-the-dead", 0, 2)
+            moved = await cluster.move_stream.remote("to-the-dead", 0, 2, "snapshot")
         finally:
             await handles[0].resume_engine.remote()
         return await task, moved
@@ -308,6 +322,86 @@ def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smo
     assert after[2]["migration_failures"] == before[2]["migration_failures"] + 1
     assert after[0]["migration_returned"] == before[0]["migration_returned"] + 1
     _wait_clean(cluster, [0, 1])
+
+
+def test_target_killed_mid_live_copy_leaves_the_stream_running_at_its_source(
+        cluster, svc, smol_llm):
+    """A live move whose target dies during the pre-copy rounds: the stream never stopped
+    on its source, finishes there with the unmoved output, and nothing stays reserved or
+    frozen on either side."""
+    want = _reference(smol_llm, 1)
+    handles = ray.get(cluster.workers.remote())
+    ray.get(handles[1].set_import_delay.remote(30.0))  # each live write answers 30 s late
+
+    async def run() -> tuple[Result, dict[str, Any]]:
+        session = await _session_on_worker0(cluster, "mid-copy")
+        task = await _mid_generation_on_worker0(handles[0], svc, session, "killed-mid-copy")
+        try:
+            move = cluster.move_stream.remote("killed-mid-copy", 0, 1, "live")
+            await _until("the live move never reached worker 1", handles[1].live_moves.remote,
+                         lambda m: "killed-mid-copy" in m["in"])
+            ray.kill(handles[1], no_restart=False)  # Ray restarts it with an empty engine
+            moved = await move
+            out = await handles[0].live_moves.remote()
+        finally:
+            await handles[0].resume_engine.remote()
+        return await task, moved, out
+
+    got, moved, out = asyncio.run(run())
+    assert "error" in moved and moved["method"] == "live" and not moved.get("refused"), moved
+    assert out == {"out": [], "in": []}  # the source called the move off
+    assert got.token_ids == want[0] and got.worker_id == "worker-0"
+    deadline = time.monotonic() + 120
+    while True:  # Ray restarts worker 1 (the killed incarnation may answer "died" meanwhile)
+        try:
+            ray.get(ray.get(cluster.workers.remote())[1].ping.remote(), timeout=30)
+            break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "worker 1 never came back"
+            time.sleep(0.5)
+    _wait_clean(cluster, [0, 1])  # (worker 2 was stopped for good above)
+    _wait_no_inflight(cluster)
+
+
+def test_pressured_worker_moves_running_streams_live(cluster, svc, smol_llm):
+    """Worker 0's tiny pool parks streams of a burst: with rebalancing on (and parked streams
+    left where they are), the planner moves running streams live to the workers with room,
+    while worker 0 is held; every output is the unmoved one and the moves are counted as
+    live rebalancing."""
+    n = 6
+    want = _reference(smol_llm, n)
+    w0 = ray.get(cluster.workers.remote())[0]
+
+    async def live_in() -> float:
+        s = await cluster.server_info.remote()
+        return sum(w["stats"]["migration_moved_in"] for w in s["workers"][1:])
+
+    async def run() -> tuple[list[Result], dict[str, Any], dict[str, Any]]:
+        await w0.pause_engine.remote()
+        tasks: list[asyncio.Task] = []
+        try:
+            tasks, load = await _burst_parked_on_worker0(cluster, svc, w0, n, "rebalance")
+            start = await live_in()
+            await cluster.set_migration.remote(True, True, 1e9)  # running streams only
+            try:
+                await _until("the planner never moved a running stream", live_in,
+                             lambda m: m > start)
+            finally:
+                await cluster.set_migration.remote(False, False, 0.5)
+            held = await w0.load.remote()
+        finally:
+            await w0.resume_engine.remote()
+        return await asyncio.gather(*tasks), load, held
+
+    before = _stats(cluster)
+    got, load, held = asyncio.run(run())
+    assert held["running"] < load["running"], (load, held)  # streams left while it was held
+    assert [r.token_ids for r in got] == want
+    assert sum(r.worker_id != "worker-0" for r in got) >= 1
+    after = _stats(cluster)
+    assert after[0]["migration_moved_out"] > before[0]["migration_moved_out"]
+    _wait_clean(cluster, [0, 1])  # (worker 2 was stopped for good above)
+    _wait_no_inflight(cluster)
 
 
 def test_drain_hands_running_streams_over(cluster, svc, smol_llm):

@@ -227,6 +227,10 @@ def test_app_port_settings_must_match_serves_proxies():
 
     http, grpc_ = HTTPOptions(host="0.0.0.0", port=8000), gRPCOptions(port=9000)
     assert mismatches(ServeConfig(), http, grpc_) == []  # unset: Serve's own
+    tls = ServeConfig(ssl_certfile="/c.pem", ssl_keyfile="/k.pem")
+    assert mismatches(tls, http, grpc_) == [
+        "ssl_certfile='/c.pem', but Serve's HTTP proxy has None (http_options.ssl_certfile)",
+        "ssl_keyfile='/k.pem', but Serve's HTTP proxy has None (http_options.ssl_keyfile)"]
     assert mismatches(ServeConfig(http_port=8000, grpc_port=9000, http_host="0.0.0.0"),
                       http, grpc_) == []
     bad = mismatches(ServeConfig(http_port=8001, grpc_port=9001, http_host="127.0.0.1"),
@@ -239,6 +243,7 @@ def test_app_port_settings_must_match_serves_proxies():
                    "(grpc_options.port)"]
 
 
+@pytest.mark.slow  # a second Serve app: ~20 s
 def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
     """Deployed with Serve's own tools onto running proxies, an app whose http_port says
     another port than Serve's HTTP proxy uses fails to start, naming Serve's setting."""
@@ -255,6 +260,6 @@ def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
         why = serve.status().applications["ports-mismatch"].deployments["KVServeIngress"].message
         assert re.search(r"http_port=\d+, but Serve's HTTP proxy listens on port \d+ "
                          r"\(http_options.port\)", why), why
-        assert "set the ports and host there" in why
+        assert "set the ports, host and TLS files there" in why
     finally:
         serve.delete("ports-mismatch")

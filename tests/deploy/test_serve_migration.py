@@ -8,6 +8,7 @@ import json
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -133,3 +134,138 @@ def test_drain_admin_rejects_bad_input_and_callers_without_a_key(serve_app, stub
     neg = requests.post(url, json={"worker": 1, "timeout_s": -1}, headers=headers, timeout=60)
     assert neg.status_code == 400
     assert all(w["alive"] and not w["stats"]["draining"] for w in serve_app.server_info()["workers"])
+
+
+def _stream_held(serve_app, stub, workers, rid: str):
+    """A greedy gRPC stream `rid` on a held worker, its first chunk read: (stream, first,
+    worker index)."""
+    stream = stub.GenerateStream(
+        pb.GenerateRequest(prompt=PROMPT, sampling=_greedy(), request_id=rid),
+        metadata=serve_app.metadata)
+    idx, _ = serve_app.worker_of(workers, rid)
+    ray.get(workers[idx].step_engine.remote())  # its first token: it runs now
+    first = next(stream)
+    assert not first.finish_reason and first.worker_id == f"worker-{idx}"
+    return stream, first, idx
+
+
+def test_move_stream_rpc_moves_a_running_stream_live(serve_app, stub):
+    """gRPC MoveStream (empty worker_id: the router picks): the running stream's KV is
+    copied live, the answer says from where to where with its stall and bytes, and the
+    client's stream goes on there with the unmoved tokens; GetServerInfo listed it."""
+    md = serve_app.metadata
+    ref = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()), metadata=md)
+    with serve_app.held() as workers:
+        stream, first, idx = _stream_held(serve_app, stub, workers, "op-live")
+        deadline = time.monotonic() + 30
+        while True:  # the router's next poll lists it, running, with its blocks
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md)
+            mine = [s for w in info.workers for s in w.streams if s.request_id == "op-live"]
+            if (mine and mine[0].state == "running") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert mine and mine[0].state == "running" and mine[0].kv_blocks > 0, mine
+        assert mine[0].tokens > ref.usage.prompt_tokens
+        res = stub.MoveStream(pb.MoveStreamRequest(request_id="op-live"), metadata=md)
+    assert (res.request_id, res.from_worker, res.to_worker) == (
+        "op-live", f"worker-{idx}", f"worker-{1 - idx}")
+    assert res.method == "live" and res.stall_ms > 0 and res.bytes > 0 and res.rounds >= 2
+    chunks = [first, *stream]
+    assert [t for c in chunks for t in c.delta_token_ids] == list(ref.token_ids)
+    assert "".join(c.delta_text for c in chunks) == ref.text
+    assert chunks[-1].worker_id == res.to_worker and chunks[-1].finish_reason == "length"
+
+
+def test_admin_move_over_http_by_snapshot_and_its_errors(serve_app, stub):
+    """POST /v1/admin/move with stop_and_copy; unknown request 404, unknown worker 400,
+    no room on the target 409 with the stream untouched; gRPC gives the same codes."""
+    md = serve_app.metadata
+    url = f"{serve_app.http_url}/v1/admin/move"
+    headers = {"authorization": f"Bearer {serve_app.api_key}"}
+    ref = stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=_greedy()), metadata=md)
+    assert requests.post(url, json={"request_id": "x"}, timeout=60).status_code == 401
+    nope = requests.post(url, json={"request_id": "no-such"}, headers=headers, timeout=60)
+    assert nope.status_code == 404 and "no-such" in nope.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.MoveStream(pb.MoveStreamRequest(request_id="no-such"), metadata=md)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with serve_app.held() as workers:
+        stream, first, idx = _stream_held(serve_app, stub, workers, "op-snap")
+        bad = requests.post(url, json={"request_id": "op-snap", "worker_id": "worker-7"},
+                            headers=headers, timeout=60)
+        assert bad.status_code == 400 and "worker-7" in bad.json()["error"]["message"]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.MoveStream(pb.MoveStreamRequest(request_id="op-snap", worker_id="worker-7"),
+                            metadata=md)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the target's pool all reserved (by moves that never come): no room there
+        src, dst = workers[idx], workers[1 - idx]
+        info = ray.get(src.live_begin.remote("op-snap", "probe"))
+        assert ray.get(src.live_abandon.remote("op-snap")) is False  # nothing frozen
+        hogs: list[str] = []
+        for tokens in (900, 1):  # big reservations, then ones as large as the stream's
+            while "error" not in ray.get(dst.live_reserve.remote(
+                    {**info, "request_id": f"hog{len(hogs)}", "tokens": tokens}, 100)):
+                hogs.append(f"hog{len(hogs)}")
+        try:
+            full = requests.post(url, json={"request_id": "op-snap"}, headers=headers, timeout=60)
+            assert full.status_code == 409, full.text
+            assert "no room" in full.json()["error"]["message"]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.MoveStream(pb.MoveStreamRequest(request_id="op-snap",
+                                                     worker_id=f"worker-{1 - idx}"), metadata=md)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            for h in hogs:
+                ray.get(dst.live_cancel.remote(h))
+        ok = requests.post(url, json={"request_id": "op-snap", "stop_and_copy": True},
+                           headers=headers, timeout=120)
+        assert ok.status_code == 200, ok.text
+        res = ok.json()
+        assert res["method"] == "snapshot" and res["to_worker"] == f"worker-{1 - idx}"
+        assert res["from_worker"] == f"worker-{idx}" and res["bytes"] > 0
+    chunks = [first, *stream]
+    assert [t for c in chunks for t in c.delta_token_ids] == list(ref.token_ids)
+    assert chunks[-1].worker_id == f"worker-{1 - idx}"
+
+
+@pytest.mark.slow  # ~18 s; one live move stays in the default tier
+def test_many_live_moves_at_once_in_both_directions(serve_app, stub):
+    """Four streams, half on each worker, all moved to the other worker at once while the
+    engines are held: every client reads the unmoved tokens from the worker it moved to, and
+    afterwards no KV block, reservation or stream is left on either worker."""
+    md = serve_app.metadata
+    prompts = [f"{PROMPT} Part {i}." for i in range(4)]
+    refs = [stub.Generate(pb.GenerateRequest(prompt=p, sampling=_greedy()), metadata=md)
+            for p in prompts]
+    old = ray.get(serve_app.router.set_max_inflight_per_worker.remote(2))  # 2 per worker
+    try:
+        with serve_app.held() as workers:
+            streams = [stub.GenerateStream(pb.GenerateRequest(
+                prompt=p, sampling=_greedy(), request_id=f"many-{i}"), metadata=md)
+                for i, p in enumerate(prompts)]
+            where = {f"many-{i}": serve_app.worker_of(workers, f"many-{i}")[0] for i in range(4)}
+            assert sorted(where.values()) == [0, 0, 1, 1], where
+            for w in workers:
+                ray.get(w.step_engine.remote())  # every stream runs
+            firsts = [next(s) for s in streams]
+            with ThreadPoolExecutor(4) as ex:
+                answers = list(ex.map(lambda i: stub.MoveStream(pb.MoveStreamRequest(
+                    request_id=f"many-{i}", worker_id=f"worker-{1 - where[f'many-{i}']}"),
+                    metadata=md), range(4)))
+        assert all(a.method == "live" for a in answers)
+        for i, (s, first, ref) in enumerate(zip(streams, firsts, refs, strict=True)):
+            chunks = [first, *s]
+            assert [t for c in chunks for t in c.delta_token_ids] == list(ref.token_ids), i
+            assert chunks[-1].worker_id == f"worker-{1 - where[f'many-{i}']}"
+    finally:
+        ray.get(serve_app.router.set_max_inflight_per_worker.remote(old))
+    deadline = time.monotonic() + 60
+    while True:  # nothing left behind on either worker
+        loads = [ray.get(w.load.remote()) for w in serve_app.workers()]
+        left = [(ld["stats"]["kv_blocks_used"], ld["stats"]["kv_blocks_reserved"], ld["streams"])
+                for ld in loads]
+        if all(x == (0, 0, 0) for x in left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(x == (0, 0, 0) for x in left), left

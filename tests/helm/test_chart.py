@@ -642,3 +642,266 @@ def test_readme_documents_every_value():
     assert not missing
     assert "docker build -f deploy/Dockerfile" in readme and "docker push" in readme
     assert "helm install kvserve helm/kvserve" in readme
+
+
+# ---------------------------------------------------------------- TLS of the APIs
+
+PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n"
+PEM_KEY = "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49\n-----END PRIVATE KEY-----\n"
+PEM_CA = "-----BEGIN CERTIFICATE-----\nMIIBjzCCATWgAwIBAgIU\n-----END CERTIFICATE-----\n"
+TLS_DIR = "/etc/kvserve/tls"
+TLS_CASES: dict[str, dict[str, Any]] = {
+    "tls-existing-secret": {"tls": {"enabled": True, "existingSecret": "llm-tls"}},
+    "tls-cert-manager-mtls": {
+        "tls": {"enabled": True,
+                "certManager": {"enabled": True, "dnsNames": ["llm.example.com"],
+                                "issuerRef": {"name": "llm-ca", "kind": "ClusterIssuer"}},
+                "clientCA": {"enabled": True}},
+        "ingress": {"enabled": True, "className": "nginx",
+                    "hosts": [{"host": "llm.example.com", "paths": [{"path": "/"}]}],
+                    "tls": [{"secretName": "llm-edge", "hosts": ["llm.example.com"]}],
+                    "grpc": {"enabled": True,
+                             "hosts": [{"host": "grpc.llm.example.com", "paths": [{"path": "/"}]}],
+                             "tls": [{"secretName": "llm-edge-grpc",
+                                      "hosts": ["grpc.llm.example.com"]}]}}},
+    "tls-inline-mtls": {"tls": {"enabled": True, "cert": PEM_CERT, "key": PEM_KEY,
+                                "clientCA": {"enabled": True, "ca": PEM_CA},
+                                "mountPath": "/tls/", "healthPort": 8181},
+                        "apiKeys": {"keys": ["k"]}, "serve": {"proxyLocation": "EveryNode"}},
+    "tls-client-ca-secret": {"tls": {"enabled": True, "existingSecret": "llm-tls",
+                                     "clientCA": {"enabled": True, "existingSecret": "clients",
+                                                  "secretKey": "bundle.pem"}}},
+}
+
+
+@pytest.fixture(scope="module", params=list(TLS_CASES))
+def tls_case(request) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    return request.param, TLS_CASES[request.param], manifests(render(TLS_CASES[request.param]))
+
+
+def check_certificate(doc: dict[str, Any]) -> None:
+    """cert-manager.io/v1 Certificate's shape (the CRD is not vendored here)."""
+    assert doc["apiVersion"] == "cert-manager.io/v1"
+    assert set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = doc["spec"]
+    assert set(spec) <= {"secretName", "issuerRef", "duration", "renewBefore", "commonName",
+                         "dnsNames", "usages", "privateKey"}
+    assert set(spec["issuerRef"]) == {"name", "kind", "group"} and spec["issuerRef"]["name"]
+    assert spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+    for d in ("duration", "renewBefore"):
+        assert re.fullmatch(r"([0-9]+(h|m|s))+", spec[d]), d
+    assert all(isinstance(n, str) and n for n in spec["dnsNames"])
+    assert set(spec["usages"]) <= {"server auth", "client auth", "digital signature",
+                                   "key encipherment"}
+    assert spec["privateKey"]["algorithm"] in ("RSA", "ECDSA", "Ed25519")
+
+
+def test_tls_lint():
+    for name, values in TLS_CASES.items():
+        report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE,
+                           kube_version=HELM_KUBE_VERSION)
+        serious = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not serious and not report["errors"], (name, report)
+
+
+def test_tls_manifests_validate(tls_case, rayservice_validator):
+    name, _, docs = tls_case
+    for doc in docs:
+        where = f"{name}: {doc['kind']} {doc['metadata']['name']}"
+        if doc["apiVersion"] == "ray.io/v1":
+            errors = sorted(rayservice_validator.iter_errors(doc), key=lambda e: e.path)
+            assert not errors, (where, [f"{list(e.path)}: {e.message}" for e in errors])
+            for group, spec in ray_pod_specs(doc).items():
+                tmpl = {"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"{FULLNAME}-{group}"},
+                        "template": {"metadata": {"labels": {"x": "y"}}, "spec": spec}}
+                kubernetes_validate.validate(tmpl, K8S_VERSION, strict=True)
+        elif doc["apiVersion"] == "cert-manager.io/v1":
+            check_certificate(doc)
+        else:
+            try:
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{where}: {e.message} at {list(e.path)}")
+
+
+def test_tls_serve_config_points_at_the_mounted_files(tls_case):
+    """Serve's HTTP proxy, kvserve's proxy hook (gRPC, client certificates, the health port)
+    and the app's ServeConfig name the same files, where the Secret is mounted; the hook's
+    environment is what `kvserve serve` gives the proxies for the same ServeConfig."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from kvserve.deploy import proxy_tls, tls
+    from kvserve.deploy.config import ServeConfig
+
+    name, values, docs = tls_case
+    cfg = serve_config(rayservice(docs))
+    schema = ServeDeploySchema.model_validate(cfg)
+    directory = values["tls"].get("mountPath", TLS_DIR + "/").rstrip("/")
+    mtls = values["tls"].get("clientCA", {}).get("enabled", False)
+    files = {"ssl_certfile": f"{directory}/tls.crt", "ssl_keyfile": f"{directory}/tls.key"}
+    if mtls:
+        files["ssl_ca_certs"] = f"{directory}/ca.crt"
+    http = schema.http_options
+    assert {k: getattr(http, k) for k in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")} == (
+        files | {"ssl_ca_certs": files.get("ssl_ca_certs")})
+    (app,) = schema.applications
+    sc = ServeConfig(**app.args)
+    assert (sc.ssl_certfile, sc.ssl_keyfile, sc.ssl_ca_certs) == (
+        files["ssl_certfile"], files["ssl_keyfile"], files.get("ssl_ca_certs"))
+    assert tls.http_options(sc) == files
+    env = schema.controller_options.runtime_env["env_vars"]
+    health = str(values["tls"].get("healthPort", 8001))
+    assert env == tls.proxy_env(sc) | {proxy_tls.HEALTH_PORT_ENV: health}
+
+
+def test_tls_mounts_and_ports(tls_case):
+    name, values, docs = tls_case
+    t = values["tls"]
+    secret = t.get("existingSecret") or f"{FULLNAME}-tls"
+    ca = t.get("clientCA", {})
+    for spec in ray_pod_specs(rayservice(docs)).values():  # every Ray pod (EveryNode)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        sources = volumes["tls"]["projected"]["sources"]
+        assert volumes["tls"]["projected"]["defaultMode"] == 0o440
+        assert sources[0] == {"secret": {"name": secret, "items": [
+            {"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}}
+        if ca.get("enabled"):
+            assert sources[1] == {"secret": {
+                "name": ca.get("existingSecret") or secret,
+                "items": [{"key": ca.get("secretKey", "ca.crt"), "path": "ca.crt"}]}}
+        else:
+            assert len(sources) == 1
+        (c,) = spec["containers"]
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["tls"] == {"name": "tls", "mountPath": t.get("mountPath", TLS_DIR),
+                                 "readOnly": True}
+    head = ray_pod_specs(rayservice(docs))["head"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    # KubeRay's plain-HTTP check of the head's Serve proxy goes to the port named `serve`
+    assert ports["serve"] == t.get("healthPort", 8001)
+    assert ports["https"] == 8000 and ports["grpc"] == 9000
+
+
+def test_tls_services_and_ingresses(tls_case):
+    name, values, docs = tls_case
+    svcs = {s["metadata"]["name"]: s["spec"] for s in by_kind(docs, "Service")}
+    assert svcs[f"{FULLNAME}-http"]["ports"] == [{"name": "https", "port": 8000,
+                                                  "targetPort": "https", "protocol": "TCP",
+                                                  "appProtocol": "https"}]
+    assert svcs[f"{FULLNAME}-grpc"]["ports"] == [{"name": "grpc", "port": 9000,
+                                                  "targetPort": "grpc", "protocol": "TCP",
+                                                  "appProtocol": "https"}]
+    ingresses = {i["metadata"]["name"]: i for i in by_kind(docs, "Ingress")}
+    if name != "tls-cert-manager-mtls":
+        assert not ingresses
+        return
+    backend = "nginx.ingress.kubernetes.io/backend-protocol"
+    http, grpc_ = ingresses[FULLNAME], ingresses[f"{FULLNAME}-grpc"]
+    assert http["metadata"]["annotations"][backend] == "HTTPS"
+    assert grpc_["metadata"]["annotations"][backend] == "GRPCS"
+    assert http["spec"]["tls"] == [{"secretName": "llm-edge", "hosts": ["llm.example.com"]}]
+    assert grpc_["spec"]["tls"] == [{"secretName": "llm-edge-grpc",
+                                     "hosts": ["grpc.llm.example.com"]}]
+    (path,) = http["spec"]["rules"][0]["http"]["paths"]
+    assert path["backend"]["service"] == {"name": f"{FULLNAME}-http", "port": {"name": "https"}}
+    (rule,) = grpc_["spec"]["rules"]
+    assert rule["host"] == "grpc.llm.example.com"
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": f"{FULLNAME}-grpc",
+                                                              "port": {"name": "grpc"}}
+    assert grpc_["spec"]["ingressClassName"] == "nginx"
+
+
+def test_grpc_ingress_without_tls_and_annotations_kept():
+    docs = manifests(render({"ingress": {"grpc": {"enabled": True, "annotations": {
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600"}}}}))
+    (ing,) = by_kind(docs, "Ingress")  # the HTTP one stays off
+    assert ing["metadata"]["name"] == f"{FULLNAME}-grpc"
+    assert ing["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600",
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPC"}  # plaintext backend
+    mine = {"nginx.ingress.kubernetes.io/backend-protocol": "GRPC"}
+    docs = manifests(render({"tls": {"enabled": True, "existingSecret": "s"},
+                             "ingress": {"grpc": {"enabled": True, "annotations": mine}}}))
+    (ing,) = by_kind(docs, "Ingress")
+    assert ing["metadata"]["annotations"] == mine  # set by the user: kept
+
+
+def test_tls_secret_and_certificate():
+    docs = manifests(render(TLS_CASES["tls-inline-mtls"]))
+    secrets = {s["metadata"]["name"]: s for s in by_kind(docs, "Secret")}
+    tls_secret = secrets[f"{FULLNAME}-tls"]
+    assert tls_secret["type"] == "kubernetes.io/tls"
+    assert tls_secret["stringData"] == {"tls.crt": PEM_CERT, "tls.key": PEM_KEY,
+                                        "ca.crt": PEM_CA}
+    assert f"{FULLNAME}-api-keys" in secrets  # beside the API keys' Secret
+    assert not by_kind(docs, "Certificate")
+    docs = manifests(render(TLS_CASES["tls-cert-manager-mtls"]))
+    assert not by_kind(docs, "Secret")  # cert-manager writes it
+    (cert,) = by_kind(docs, "Certificate")
+    check_certificate(cert)
+    spec = cert["spec"]
+    assert spec["secretName"] == cert["metadata"]["name"] == f"{FULLNAME}-tls"
+    assert spec["issuerRef"] == {"name": "llm-ca", "kind": "ClusterIssuer",
+                                 "group": "cert-manager.io"}
+    for svc in (f"{FULLNAME}-http", f"{FULLNAME}-grpc"):
+        assert {svc, f"{svc}.{NAMESPACE}", f"{svc}.{NAMESPACE}.svc",
+                f"{svc}.{NAMESPACE}.svc.cluster.local"} <= set(spec["dnsNames"])
+    assert "llm.example.com" in spec["dnsNames"]
+    for case in ("tls-existing-secret", "tls-client-ca-secret"):
+        docs = manifests(render(TLS_CASES[case]))
+        assert not by_kind(docs, "Secret") and not by_kind(docs, "Certificate"), case
+
+
+def test_tls_notes():
+    notes = render(TLS_CASES["tls-cert-manager-mtls"])["kvserve/templates/NOTES.txt"]
+    assert "-plaintext" not in notes and "http://" + FULLNAME not in notes
+    assert f"https://{FULLNAME}-http.{NAMESPACE}.svc:8000/v1" in notes
+    assert (f"grpcurl -cacert ca.crt -cert client.crt -key client.key -servername "
+            f"{FULLNAME}-grpc.{NAMESPACE}.svc localhost:9000 list") in notes
+    assert "via the Ingress: grpc.llm.example.com:443" in notes
+    notes = render(TLS_CASES["tls-existing-secret"])["kvserve/templates/NOTES.txt"]
+    assert "grpcurl -cacert ca.crt -servername" in notes and "client.crt" not in notes
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tls": {"enabled": True, "key": PEM_KEY}},
+     "tls.key is set without tls.cert: the chart needs the certificate of that key"),
+    ({"tls": {"enabled": True, "cert": PEM_CERT}}, "tls.cert is set without tls.key"),
+    ({"tls": {"key": PEM_KEY}}, "tls.key is set without tls.cert"),
+    ({"tls": {"enabled": True}}, "tls.enabled needs a certificate: tls.existingSecret, "
+                                 "tls.certManager.enabled, or tls.cert and tls.key"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "cert": PEM_CERT, "key": PEM_KEY}},
+     "tls: set one of tls.existingSecret, tls.certManager.enabled, or tls.cert and tls.key"),
+    ({"tls": {"enabled": True, "certManager": {"enabled": True}}},
+     "tls.certManager.enabled needs tls.certManager.issuerRef.name"),
+    ({"tls": {"enabled": True, "cert": PEM_CERT, "key": PEM_KEY, "clientCA": {"enabled": True}}},
+     "tls.clientCA.enabled needs the CA"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "clientCA": {"enabled": True, "ca": PEM_CA}}},
+     "tls.clientCA.ca goes into the Secret the chart creates"),
+    ({"tls": {"enabled": True, "cert": PEM_CERT, "key": PEM_KEY, "clientCA": {"ca": PEM_CA}}},
+     "tls.clientCA.ca is set but tls.clientCA.enabled is false"),
+    ({"tls": {"existingSecret": "s"}}, "set tls.enabled: true to serve TLS"),
+    ({"tls": {"clientCA": {"enabled": True}}}, "set tls.enabled: true to serve TLS"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "healthPort": 9000}},
+     "tls.healthPort 9000 is another port of the pod"),
+])
+def test_inconsistent_tls_values_fail_the_render(values, message):
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tls": {"enabled": "yes"}}, "at '/tls/enabled': got string, want boolean"),
+    ({"tls": {"cert": "not a PEM"}}, "at '/tls/cert': 'not a PEM' does not match pattern"),
+    ({"tls": {"healthPort": 0}}, "at '/tls/healthPort'"),
+    ({"tls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}, "at '/tls/certManager/issuerRef/kind'"),
+    ({"tls": {"certManager": {"duration": "90 days"}}}, "at '/tls/certManager/duration'"),
+    ({"tls": {"mountPath": "tls"}}, "at '/tls/mountPath'"),
+    ({"tls": {"secretName": "s"}}, "additional properties 'secretName' not allowed"),
+    ({"ingress": {"grpc": {"className": "nginx"}}}, "additional properties 'className' not allowed"),
+])
+def test_tls_schema_rejects(values, message):
+    with pytest.raises(helm.HelmValuesError) as err:
+        render(values)
+    assert message in str(err.value)

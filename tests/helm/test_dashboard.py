@@ -36,7 +36,9 @@ INGRESS_METRICS = {"ray_kvserve_requests_rejected_total"}
 ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retries_total",
                   "ray_kvserve_router_workers_alive", "ray_kvserve_migration_streams_total",
                   "ray_kvserve_migration_bytes_total", "ray_kvserve_migration_failures_total",
-                  "ray_kvserve_migration_sessions_total", "ray_kvserve_worker_draining"}
+                  "ray_kvserve_migration_sessions_total", "ray_kvserve_worker_draining",
+                  "ray_kvserve_stream_moves_total", "ray_kvserve_stream_move_stall_seconds",
+                  "ray_kvserve_stream_move_rounds"}
 EXPORTED = WORKER_METRICS | INGRESS_METRICS | ROUTER_METRICS
 
 

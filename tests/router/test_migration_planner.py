@@ -16,9 +16,12 @@ from kvserve.router.migration import (
     MigrationConfig,
     Move,
     ParkedStream,
+    RunningStream,
     WorkerState,
     drain_target,
     plan_moves,
+    plan_rebalance,
+    pressured,
 )
 from kvserve.router.mover import StreamMover
 from kvserve.router.policy import WorkerView
@@ -63,6 +66,55 @@ def test_bounds_in_flight_interval_and_targets():
     assert plan_moves(busy, CFG, set(), {}, 0.0) == []
     off = MigrationConfig(enabled=False)
     assert plan_moves(ws, off, set(), {}, 0.0) == []
+
+
+def busy(idx: int, free: int, *running: tuple[str, int], parked: int = 1,
+         waiting: int = 0) -> WorkerState:
+    """A worker with `free` of 100 blocks free, running streams (id, blocks), parking."""
+    return WorkerState(idx, waiting=waiting, kv_blocks_free=free, kv_blocks_total=100,
+                       parked=[ParkedStream(f"p{idx}{i}", 0.1, 5) for i in range(parked)],
+                       running=[RunningStream(r, b * 16, b) for r, b in running])
+
+
+REB = MigrationConfig(max_inflight=4, min_interval_s=10.0, headroom=0.1, pressure_use=0.9,
+                      growth_tokens=64)  # 4 blocks of growth
+
+
+def test_a_pressured_worker_moves_its_largest_fitting_running_stream_live():
+    ws = [busy(0, 2, ("small", 10), ("big", 40), ("huge", 60)), idle(1, 60), idle(2, 30)]
+    assert pressured(ws[0], REB) and not pressured(ws[1], REB)
+    # huge (60 + 4) fits nowhere with 10 blocks kept free; big (44) fits worker 1
+    assert plan_rebalance(ws, REB, set(), {}, 0.0) == [Move("big", 0, 1, 44)]
+
+
+def test_rebalance_only_under_pressure_and_into_room():
+    # not pressured: nothing parked or waiting, or the KV not full enough
+    assert plan_rebalance([busy(0, 2, ("a", 10), parked=0), idle(1)], REB, set(), {}, 0.0) == []
+    assert plan_rebalance([busy(0, 30, ("a", 10)), idle(1)], REB, set(), {}, 0.0) == []
+    waiting = busy(0, 5, ("a", 10), parked=0, waiting=3)
+    assert [m.request_id for m in plan_rebalance([waiting, idle(1)], REB, set(), {}, 0.0)] == ["a"]
+    # no target: others park, wait, are pressured themselves, drain or are dead
+    others = [busy(1, 90, parked=1), WorkerState(2, waiting=1, kv_blocks_free=90,
+                                                 kv_blocks_total=100),
+              WorkerState(3, draining=True, kv_blocks_free=100, kv_blocks_total=100),
+              WorkerState(4, alive=False, kv_blocks_free=100, kv_blocks_total=100)]
+    assert plan_rebalance([busy(0, 2, ("a", 10)), *others], REB, set(), {}, 0.0) == []
+    # the target's room counts moves already headed there
+    assert plan_rebalance([busy(0, 2, ("a", 10)), idle(1, 30)], REB, set(), {}, 0.0,
+                          reserved={1: 10}) == []
+    assert plan_rebalance([busy(0, 2, ("a", 10)), idle(1)],
+                          MigrationConfig(live=False), set(), {}, 0.0) == []
+
+
+def test_rebalance_cools_down_and_moves_one_stream_per_worker_at_a_time():
+    ws = [busy(0, 2, ("a", 10), ("b", 8)), busy(1, 1, ("c", 10)), idle(2), idle(3)]
+    first = plan_rebalance(ws, REB, set(), {}, 0.0)
+    assert sorted((m.request_id, m.src) for m in first) == [("a", 0), ("c", 1)]
+    assert {m.dst for m in first} == {2, 3}  # each to the roomiest left
+    # a move under way out of worker 0: nothing else leaves it; c moved a moment ago stays
+    assert plan_rebalance(ws, REB, {"a"}, {"c": 95.0}, now=100.0) == []
+    assert [m.request_id for m in plan_rebalance(ws, REB, set(), {"a": 95.0}, 100.0)
+            if m.src == 0] == ["b"]
 
 
 def test_drain_target_is_the_least_loaded_live_worker():

@@ -52,6 +52,9 @@ class _Spy(MigrationMetrics):
     def drain_state(self, worker: str, state: str) -> None:
         self.calls.append(("drain", worker, state))
 
+    def stream_move(self, reason: str, method: str, outcome: str, res: dict) -> None:
+        self.calls.append(("move", reason, method, outcome))
+
 
 async def _value(v: Any) -> Any:
     return v
@@ -75,10 +78,12 @@ def _mover(results: list[dict[str, Any]], spy: _Spy) -> StreamMover:
 def test_moves_and_failures_are_recorded_per_worker():
     spy = _Spy()
     ok = _mover([{"request_id": "r"}, {"request_id": "r"}], spy)
-    assert asyncio.run(ok.move("r", 0, 1))["bytes"] == 1234
+    assert asyncio.run(ok.move("r", 0, 1, "operator", "snapshot"))["bytes"] == 1234
     bad = _mover([{"request_id": "r"}, {"error": "refused"}], spy)
-    assert "error" in asyncio.run(bad.move("r", 0, 1))
-    assert spy.calls == [("moved", "worker-0", "worker-1", 1234), ("failed", "worker-1")]
+    assert "error" in asyncio.run(bad.move("r", 0, 1, "drain", "snapshot"))
+    assert spy.calls == [("moved", "worker-0", "worker-1", 1234),
+                         ("move", "operator", "snapshot", "moved"), ("failed", "worker-1"),
+                         ("move", "drain", "snapshot", "failed")]
     assert ok.stats(1)["migration_bytes_in"] == 1234 and bad.stats(1)["migration_failures"] == 1
 
 
@@ -104,11 +109,12 @@ def test_an_import_that_lands_after_the_timeout_is_aborted_on_its_target():
         mover.cfg.import_timeout_s = 0.1
         mover.handles[1].import_stream = _Call(slow_import)
         mover.handles[1].abort = _Call(lambda rid: aborted.append((1, rid)))
-        res = await mover.move("r", 0, 1)
+        res = await mover.move("r", 0, 1, "parked", "snapshot")
         assert not aborted  # the import has not answered yet
         await asyncio.sleep(0.5)
         return res
 
     res = asyncio.run(run())
     assert res["returned"] and "Timeout" in res["error"]
-    assert aborted == [(1, "r")] and spy.calls == [("failed", "worker-1")]
+    assert aborted == [(1, "r")]
+    assert spy.calls == [("failed", "worker-1"), ("move", "parked", "snapshot", "failed")]

@@ -230,3 +230,40 @@ def test_sizes_the_model_cannot_split_are_refused(one_kv, smol_path):
     assert children() <= before  # the ranks that had started are gone
     with pytest.raises(ValueError, match="async_scheduling is not available"):
         LLM(one_kv, tensor_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.parametrize("direction", ["2 to 1", "1 to 2"])
+def test_live_moves_between_sizes(one_kv, tp2, direction):
+    """A running stream moves live between engines of different sizes (the rounds carry
+    whole KV heads; the tensor-parallel side stages them through its host tier's ranks),
+    decoding between rounds, and goes on with the undisturbed tokens from the KV it brought."""
+    from kvserve.workers.engine.live_move import Source, Target
+
+    rng = random.Random(f"live {direction}")
+    p = [rng.randrange(100, 40000) for _ in range(30)]
+    want = LLM(one_kv, kv_cache_tokens=1024, block_size=BS).generate(p, greedy(30))[0].token_ids
+    single = small_pool(one_kv)
+    src, dst = (tp2.engine, single.engine) if direction == "2 to 1" else (single.engine, tp2.engine)
+    rid = src.add_request(p, greedy(30), request_id=f"live {direction}")
+    seen = _until(src, rid, 6)
+    source, info = Source.begin(src, rid, "dst")
+    target = Target.reserve(dst, info, growth_tokens=16)
+    while True:
+        meta, data = source.round(src, 2)
+        target.write(dst, meta, data)
+        if meta["left"] == 0 and meta["tokens"] >= 30 + 10:
+            break
+        for o in src.step():  # it decodes between rounds
+            if o.request_id == rid:
+                seen.extend(o.delta_token_ids)
+    meta, data = source.freeze(src)
+    assert meta["blocks"] <= 2
+    target.commit(dst, meta, data)
+    source.release(src)
+    recomputed = dst.stats()["tokens_recomputed"]
+    seen += _finish(dst, rid)
+    assert seen == want
+    assert dst.stats()["tokens_recomputed"] == recomputed  # it computed only new tokens
+    for eng in (src, dst):
+        eng.check_invariants()
+        assert not eng.kv.reserved and not eng.kv.held and eng.kv.streams == {}

@@ -33,6 +33,7 @@ from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.live_move import LEASE_S, MoveRefused, Source, Target
 from kvserve.workers.engine.migration import MoveCounters, ParkedTracker, StreamMoved
 from kvserve.workers.engine.sequence import Sequence
 
@@ -81,6 +82,11 @@ class AsyncLLMEngine:
         self._unclaimed: dict[str, _Stream] = {}  # imported, no consumer yet
         self.moves = MoveCounters()
         self._parked = ParkedTracker()
+        self._live_out: dict[str, Source] = {}  # live moves out of this engine
+        self._live_in: dict[str, Target] = {}  # live moves into it (reservations)
+        # every stream's state, tokens and blocks, rebuilt after a step once asked for
+        self._view: list[dict[str, Any]] = []
+        self._want_view = True
         self._stats: dict[str, Any] = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -150,6 +156,52 @@ class AsyncLLMEngine:
         async for out in self._consume(stream, request_id):
             yield out
 
+    # ---- live moves (workers/engine/live_move.py; each call runs between steps) ----------
+    async def live_begin(self, request_id: str, target: str) -> dict[str, Any]:
+        """Start moving a running stream out live: what the target must reserve."""
+        return await self._call(lambda: self._live_begin(request_id, target))
+
+    async def live_round(self, request_id: str, copy_share: float,
+                         max_blocks: int | None = None) -> tuple[dict[str, Any], Any]:
+        """The next pre-copy round: (meta, block bytes). The round's copies take about
+        `copy_share` of the time since the last round (at the copy rate measured so far)."""
+        return await self._call(lambda: self._live_round(request_id, copy_share, max_blocks))
+
+    async def live_freeze(self, request_id: str) -> tuple[dict[str, Any], Any]:
+        """The final stage: the stream stops here; (meta with its state, the last blocks)."""
+        asked = time.monotonic()
+        return await self._call(lambda: self._live_freeze(request_id, asked))
+
+    async def live_finish(self, request_id: str, target: int) -> bool:
+        """The target committed: free the stream here; its consumer continues on `target`.
+        False when the consumer left meanwhile (the target's copy must then be aborted)."""
+        return await self._call(lambda: self._live_finish(request_id, target))
+
+    async def live_abandon(self, request_id: str) -> bool:
+        """The move failed: the stream goes on here (thawed if it was frozen)."""
+        return await self._call(lambda: self._live_abandon(request_id))
+
+    async def live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
+        """Reserve room for a stream on its way in (MoveRefused when there is none)."""
+        return await self._call(lambda: self._live_reserve(info, growth_tokens))
+
+    async def live_write(self, request_id: str, meta: dict[str, Any], data: Any) -> int:
+        """A pre-copy round's blocks into the reservation; the blocks written so far."""
+        return await self._call(lambda: self._live_write(request_id, meta, data))
+
+    async def live_commit(self, request_id: str, meta: dict[str, Any], data: Any) -> str:
+        """The final stage: the stream runs here from the next step; its outputs wait for a
+        consumer (`resume`), as an imported stream's do."""
+        loop = asyncio.get_running_loop()
+        return await self._call(lambda: self._live_commit(request_id, meta, data, loop))
+
+    async def live_cancel(self, request_id: str) -> bool:
+        """Drop a reservation (the move was called off)."""
+        return await self._call(lambda: self._live_cancel(request_id))
+
+    def live_moves(self) -> dict[str, Any]:
+        return {"out": sorted(self._live_out), "in": sorted(self._live_in)}
+
     async def export_prefix(self, hashes: list[int]) -> bytes:
         """The leading blocks of `hashes` this engine's host tier caches (prefix_snapshot)."""
         from kvserve.workers.engine.prefix_snapshot import export_prefix
@@ -174,6 +226,12 @@ class AsyncLLMEngine:
     def parked(self) -> list[dict[str, Any]]:
         """Parked streams, oldest first, their ages as of now (the router's view)."""
         return self._parked.streams()
+
+    def streams(self) -> list[dict[str, Any]]:
+        """Every stream here: request id, state (running, waiting, parked, moving), tokens,
+        device KV blocks; as of the last step after the previous call (any thread)."""
+        self._want_view = True
+        return self._view
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of the last step (read without stopping the loop)."""
@@ -276,6 +334,27 @@ class AsyncLLMEngine:
     def _refresh(self) -> None:
         self._stats = self.engine.stats()
         self._parked.view(self.engine)
+        if self._want_view:
+            self._want_view = False
+            self._view = self._build_view()
+
+    def _build_view(self) -> list[dict[str, Any]]:
+        eng = self.engine
+        kv, sched = eng.kv, eng.scheduler
+        out = []
+        for name, seqs in (("running", sched.running), ("waiting", sched.waiting),
+                           ("parked", sched.parked)):
+            for s in seqs:
+                st = kv.streams.get(s.request_id)
+                out.append({"request_id": s.request_id,
+                            "state": "moving" if s.request_id in self._live_out else name,
+                            "tokens": len(s.all_ids),
+                            "blocks": len(st.live_blocks) if st is not None else 0})
+        for rid, src in self._live_out.items():
+            if src.frozen is not None and src.seq is not None:  # in its final stage
+                out.append({"request_id": rid, "state": "moving",
+                            "tokens": len(src.seq.all_ids), "blocks": len(src.frozen.live_blocks)})
+        return out
 
     def _drain(self) -> None:
         eng = self.engine
@@ -303,6 +382,7 @@ class AsyncLLMEngine:
             self._streams.pop(rid, None)
             self._moving.pop(rid, None)
             self._unclaimed.pop(rid, None)
+            self._live_out.pop(rid, None)
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
@@ -313,6 +393,12 @@ class AsyncLLMEngine:
             except Exception as e:
                 fut.set_exception(e)
         now = time.monotonic()
+        for rid, tgt in list(self._live_in.items()):
+            if now - tgt.touched > LEASE_S:  # its mover is gone: nothing stays stranded
+                log.warning("live move of %s into this engine was abandoned; freeing its "
+                            "reservation", rid)
+                tgt.cancel(eng)
+                del self._live_in[rid]
         for rid, st in list(self._unclaimed.items()):
             if now - st.imported_at > CLAIM_TIMEOUT_S:
                 log.warning("imported stream %s was never resumed; aborting it", rid)
@@ -361,6 +447,121 @@ class AsyncLLMEngine:
         self._refresh()  # a load answered next shows it parked here, even before a step
         return rid
 
+    def _live_begin(self, rid: str, target: str) -> dict[str, Any]:
+        if rid in self._live_out:
+            raise MoveRefused(f"request {rid!r} is already moving")
+        if rid not in self._streams:
+            raise MoveRefused(f"request {rid!r} has no consumer here")
+        src, info = Source.begin(self.engine, rid, target)
+        self._live_out[rid] = src
+        return info
+
+    def _source(self, rid: str) -> Source:
+        src = self._live_out.get(rid)
+        if src is None:
+            raise MoveRefused(f"request {rid!r} is not moving out of this engine (finished or "
+                              "aborted)")
+        return src
+
+    def _live_round(self, rid: str, share: float, max_blocks: int | None) -> tuple[dict, Any]:
+        src = self._source(rid)
+        if max_blocks is None:
+            max_blocks = src.budget(share, time.monotonic())
+        t0 = time.perf_counter()
+        try:
+            meta, data = src.round(self.engine, max_blocks)
+        except MoveRefused:
+            self._live_out.pop(rid, None)
+            raise
+        src.observe(meta["blocks"], time.perf_counter() - t0)
+        return meta, data
+
+    def _live_freeze(self, rid: str, asked: float) -> tuple[dict, Any]:
+        waited = time.monotonic() - asked  # the step under way when it was asked for ran on
+        src = self._source(rid)
+        # asynchronous scheduling: the stream's tokens in flight go to its consumer first
+        self._deliver(self.engine.flush())
+        try:
+            meta, data = src.freeze(self.engine)
+        except MoveRefused:
+            self._live_out.pop(rid, None)
+            raise
+        st = self._streams.pop(rid, None)
+        if st is not None:  # waits for the verdict, as an exported stream's consumer
+            self._moving[rid] = st
+        self._refresh()
+        meta["waited_s"] = waited
+        return meta, data
+
+    def _live_finish(self, rid: str, target: int) -> bool:
+        src = self._live_out.pop(rid, None)
+        if src is not None:
+            src.release(self.engine)
+            self.moves.moved_out += 1
+            self.moves.snapshot_bytes_out += src.bytes_sent
+        self._refresh()
+        return self._hand_over(rid, target)
+
+    def _live_abandon(self, rid: str) -> bool:
+        src = self._live_out.pop(rid, None)
+        if src is None:
+            return False
+        thawed = src.thaw(self.engine)
+        st = self._moving.pop(rid, None)
+        if st is not None:
+            if thawed:
+                self._streams[rid] = st  # the same consumer reads on
+            else:  # aborted while frozen
+                st.put(RuntimeError(f"request {rid!r} was aborted during its move"))
+        self._refresh()
+        return thawed
+
+    def _live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
+        rid = info["request_id"]
+        if rid in self._streams or rid in self._unclaimed or rid in self._live_in:
+            raise MoveRefused(f"request id {rid!r} is in use here")
+        self._live_in[rid] = Target.reserve(self.engine, info, growth_tokens)
+        self._refresh()
+        return {"blocks": len(self.engine.kv.reserved.get(rid, []))}
+
+    def _target(self, rid: str) -> Target:
+        tgt = self._live_in.get(rid)
+        if tgt is None:
+            raise MoveRefused(f"no reservation for {rid!r} here (cancelled or expired)")
+        return tgt
+
+    def _live_write(self, rid: str, meta: dict[str, Any], data: Any) -> int:
+        tgt = self._target(rid)
+        tgt.write(self.engine, meta, data)
+        return tgt.written
+
+    def _live_commit(self, rid: str, meta: dict[str, Any], data: Any,
+                     loop: asyncio.AbstractEventLoop) -> str:
+        tgt = self._target(rid)
+        try:
+            tgt.commit(self.engine, meta, data)
+        except BaseException:
+            self._live_in.pop(rid, None)
+            tgt.cancel(self.engine)
+            raise
+        del self._live_in[rid]
+        st = _Stream(loop)
+        st.imported_at = time.monotonic()
+        self._unclaimed[rid] = st
+        self._streams[rid] = st
+        self.moves.moved_in += 1
+        self.moves.snapshot_bytes_in += tgt.bytes_in
+        self._refresh()
+        return rid
+
+    def _live_cancel(self, rid: str) -> bool:
+        tgt = self._live_in.pop(rid, None)
+        if tgt is None:
+            return False
+        tgt.cancel(self.engine)
+        self._refresh()
+        return True
+
     def _hand_over(self, rid: str, target: int) -> bool:
         st = self._moving.pop(rid, None)
         if st is None:
@@ -374,6 +575,10 @@ class AsyncLLMEngine:
         self._streams.clear()
         self._moving.clear()
         self._unclaimed.clear()
+        self._live_out.clear()
+        for tgt in self._live_in.values():
+            tgt.cancel(self.engine)
+        self._live_in.clear()
         while True:  # nobody will run these any more
             try:
                 _fn, fut = self._calls.get_nowait()

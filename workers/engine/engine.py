@@ -265,6 +265,11 @@ class LLMEngine:
         res.top_logprobs = None if tops is None else [tops[j] for j in keep]
         return self._append([seqs[j] for j in keep], res, finished_only)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step's tokens are not appended yet (asynchronous scheduling)."""
+        return self._inflight is not None
+
     def flush(self) -> list[RequestOutput]:
         """Append the tokens of a launched step now and return their outputs: every stream's
         state is then whole, as a snapshot needs it (asynchronous scheduling; else [])."""
@@ -407,6 +412,7 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.pool.num_used,
             "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_reserved": sum(len(b) for b in self.kv.reserved.values()),  # live moves
             "kv_blocks_dropped": self.kv.blocks_dropped,  # released by sliding windows
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate(),
             "generation_tokens_per_s": self.generated_tokens / elapsed,

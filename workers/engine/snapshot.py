@@ -36,6 +36,44 @@ def model_geometry(engine: LLMEngine) -> dict[str, int | str]:
             "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
+def stream_record(engine: LLMEngine, seq: Sequence) -> dict[str, Any]:
+    """A stream's request state, everything but its KV: tokens, sampling parameters and RNG
+    state, streamed text and detokenizer position, logprobs, priority (the grammar's state
+    is replayed from the output)."""
+    gen = seq.generator
+    return {
+        "version": VERSION,
+        "model": model_geometry(engine),
+        "request_id": seq.request_id,
+        "prompt": seq.prompt,
+        "prompt_ids": seq.prompt_ids,
+        "output_ids": seq.output_ids,
+        "params": seq.params.model_dump(),
+        "priority": seq.priority,
+        "rng_state": gen.get_state().numpy().tobytes() if gen is not None else None,
+        "text": seq.text,
+        "emitted": seq.emitted,
+        "logprobs": seq.logprobs,
+        "top_logprobs": seq.top_logprobs,
+        "num_cached_prompt": seq.num_cached_prompt,
+        "num_evictions": seq.num_evictions,
+    }
+
+
+def sequence_from_record(engine: LLMEngine, r: dict[str, Any],
+                         request_id: str | None = None) -> Sequence:
+    """The stream of a record (`stream_record`), checked against this engine's model, as it
+    stood when the record was taken; not queued anywhere."""
+    if r["model"] != model_geometry(engine):
+        raise InvalidRequestError(
+            f"snapshot is for a model with {r['model']}, this engine runs {model_geometry(engine)}")
+    rid = request_id or r["request_id"]
+    params = SamplingParams(**r["params"])
+    seq = engine.make_sequence(r["prompt_ids"], params, rid, r["priority"])
+    _restore_sequence(seq, r)
+    return seq
+
+
 def export_stream(engine: LLMEngine, request_id: str) -> bytes:
     """Park `request_id` (if it is running), serialize it, and remove it from `engine`."""
     sched = engine.scheduler
@@ -52,28 +90,13 @@ def export_stream(engine: LLMEngine, request_id: str) -> bytes:
         data = host.read(parked)
         kv_bytes = data.contiguous().view(torch.uint8).numpy().tobytes()
         kv_tokens, shape = parked.saved_tokens, list(data.shape)
-    gen = seq.generator
-    record: dict[str, Any] = {
-        "version": VERSION,
-        "model": model_geometry(engine),
-        "request_id": seq.request_id,
-        "prompt": seq.prompt,
-        "prompt_ids": seq.prompt_ids,
-        "output_ids": seq.output_ids,
-        "params": seq.params.model_dump(),
-        "priority": seq.priority,
-        "rng_state": gen.get_state().numpy().tobytes() if gen is not None else None,
-        "text": seq.text,
-        "emitted": seq.emitted,
-        "logprobs": seq.logprobs,
-        "top_logprobs": seq.top_logprobs,
-        "num_cached_prompt": seq.num_cached_prompt,
-        "num_evictions": seq.num_evictions,
+    record = stream_record(engine, seq)
+    record.update({
         "computed_tokens": parked.num_tokens if parked is not None else 0,
         "kv": {"tokens": kv_tokens, "block_size": engine.kv.block_size,
                "dtype": str(engine.runner.dtype).removeprefix("torch."), "shape": shape,
                "data": kv_bytes},
-    }
+    })
     out = msgpack.packb(record, use_bin_type=True)
     engine.seqs.pop(request_id, None)
     sched.remove(seq)  # after serializing: its host blocks may be reused from here on
@@ -88,13 +111,8 @@ def import_stream(engine: LLMEngine, data: bytes, request_id: str | None = None)
             raise ValueError(f"not a version-{VERSION} stream snapshot")
     except Exception as e:
         raise InvalidRequestError(f"bad stream snapshot: {e}") from e
-    if r["model"] != model_geometry(engine):
-        raise InvalidRequestError(
-            f"snapshot is for a model with {r['model']}, this engine runs {model_geometry(engine)}")
-    rid = request_id or r["request_id"]
-    params = SamplingParams(**r["params"])
-    seq = engine.make_sequence(r["prompt_ids"], params, rid, r["priority"])
-    _restore_sequence(seq, r)
+    seq = sequence_from_record(engine, r, request_id)
+    rid = seq.request_id
     kv = r["kv"]
     parked = ParkedKV(r["computed_tokens"], block_size=engine.kv.block_size)
     host = engine.kv.host

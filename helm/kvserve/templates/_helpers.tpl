@@ -61,6 +61,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* The Secret holding the API's certificate (tls.crt) and key (tls.key). */}}
+{{- define "kvserve.tlsSecretName" -}}
+{{- if .Values.tls.existingSecret }}
+{{- .Values.tls.existingSecret }}
+{{- else }}
+{{- printf "%s-tls" (include "kvserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* The certificate files in the Ray containers, as the serve config names them. */}}
+{{- define "kvserve.tlsFile" -}}
+{{- printf "%s/%s" (trimSuffix "/" .root.Values.tls.mountPath) .file }}
+{{- end }}
+
 {{- define "kvserve.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
@@ -131,6 +145,47 @@ for the embedded default model. */}}
 {{- if gt (int .Values.workerGroup.minReplicas) (int .Values.workerGroup.maxReplicas) }}
 {{- fail "workerGroup.minReplicas must not exceed workerGroup.maxReplicas" }}
 {{- end }}
+{{- include "kvserve.validateTls" . }}
+{{- end }}
+
+{{/* TLS values that cannot work together fail the render. */}}
+{{- define "kvserve.validateTls" -}}
+{{- $t := .Values.tls }}
+{{- if and $t.key (not $t.cert) }}
+{{- fail "tls.key is set without tls.cert: the chart needs the certificate of that key" }}
+{{- end }}
+{{- if and $t.cert (not $t.key) }}
+{{- fail "tls.cert is set without tls.key: the chart needs the certificate's private key" }}
+{{- end }}
+{{- $sources := 0 }}
+{{- if $t.existingSecret }}{{ $sources = add1 $sources }}{{ end }}
+{{- if $t.certManager.enabled }}{{ $sources = add1 $sources }}{{ end }}
+{{- if $t.cert }}{{ $sources = add1 $sources }}{{ end }}
+{{- if $t.enabled }}
+{{- if eq $sources 0 }}
+{{- fail "tls.enabled needs a certificate: tls.existingSecret, tls.certManager.enabled, or tls.cert and tls.key" }}
+{{- end }}
+{{- if gt $sources 1 }}
+{{- fail "tls: set one of tls.existingSecret, tls.certManager.enabled, or tls.cert and tls.key" }}
+{{- end }}
+{{- if and $t.certManager.enabled (not $t.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.enabled needs tls.certManager.issuerRef.name (the Issuer or ClusterIssuer that signs it)" }}
+{{- end }}
+{{- if and $t.clientCA.enabled $t.cert (not $t.clientCA.ca) (not $t.clientCA.existingSecret) }}
+{{- fail "tls.clientCA.enabled needs the CA: tls.clientCA.ca (with tls.cert and tls.key) or tls.clientCA.existingSecret" }}
+{{- end }}
+{{- if and $t.clientCA.ca (not $t.cert) }}
+{{- fail "tls.clientCA.ca goes into the Secret the chart creates from tls.cert and tls.key; with another Secret, put the CA in a Secret and name it in tls.clientCA.existingSecret" }}
+{{- end }}
+{{- if and $t.clientCA.ca (not $t.clientCA.enabled) }}
+{{- fail "tls.clientCA.ca is set but tls.clientCA.enabled is false" }}
+{{- end }}
+{{- if has (int $t.healthPort) (list (int .Values.serve.httpPort) (int .Values.serve.grpcPort) (int .Values.monitoring.metricsPort) (int .Values.probes.agentPort)) }}
+{{- fail (printf "tls.healthPort %d is another port of the pod: pick a free one" (int $t.healthPort)) }}
+{{- end }}
+{{- else if or (gt $sources 0) $t.clientCA.enabled }}
+{{- fail "tls: a certificate (or tls.clientCA) is set but tls.enabled is false; set tls.enabled: true to serve TLS" }}
+{{- end }}
 {{- end }}
 
 {{/* Volumes of every Ray pod: /dev/shm in memory, and the model volume if any. */}}
@@ -151,6 +206,26 @@ for the embedded default model. */}}
     path: {{ .hostPath }}
     type: {{ .hostPathType }}
 {{- end }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  projected:
+    defaultMode: 0440
+    sources:
+      - secret:
+          name: {{ include "kvserve.tlsSecretName" . }}
+          items:
+            - key: tls.crt
+              path: tls.crt
+            - key: tls.key
+              path: tls.key
+      {{- if .Values.tls.clientCA.enabled }}
+      - secret:
+          name: {{ .Values.tls.clientCA.existingSecret | default (include "kvserve.tlsSecretName" .) }}
+          items:
+            - key: {{ .Values.tls.clientCA.secretKey }}
+              path: ca.crt
+      {{- end }}
 {{- end }}
 {{- if .Values.model.id }}
 {{- with .Values.model.cache }}
@@ -177,6 +252,11 @@ for the embedded default model. */}}
 {{- if .Values.model.id }}
 - name: hf-cache
   mountPath: {{ .Values.model.cache.mountPath }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -255,6 +335,23 @@ livenessProbe:
   "max_inflight_per_worker" $s.maxInflightPerWorker
   "shutdown_grace_s" $s.shutdownGraceS
 }}
+{{- $http := dict "host" "0.0.0.0" "port" $s.httpPort }}
+{{- $env := dict }}
+{{- if .Values.tls.enabled }}
+{{- $cert := include "kvserve.tlsFile" (dict "root" . "file" "tls.crt") }}
+{{- $key := include "kvserve.tlsFile" (dict "root" . "file" "tls.key") }}
+{{- $files := dict "ssl_certfile" $cert "ssl_keyfile" $key }}
+{{- /* kvserve's hook in Serve's proxies (deploy/proxy_tls.py): gRPC TLS, client
+certificates, the plaintext health port KubeRay checks */}}
+{{- $env = dict "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" "kvserve.deploy.proxy_tls.install" "KVSERVE_GRPC_SSL_CERTFILE" $cert "KVSERVE_GRPC_SSL_KEYFILE" $key "KVSERVE_PROXY_HEALTH_PORT" (toString .Values.tls.healthPort) }}
+{{- if .Values.tls.clientCA.enabled }}
+{{- $ca := include "kvserve.tlsFile" (dict "root" . "file" "ca.crt") }}
+{{- $_ := set $files "ssl_ca_certs" $ca }}
+{{- $_ := set $env "KVSERVE_GRPC_SSL_CA_CERTS" $ca }}
+{{- end }}
+{{- $args = merge $args $files }}
+{{- $http = merge $http $files }}
+{{- end }}
 {{- $app := dict
   "name" "kvserve"
   "route_prefix" "/"
@@ -263,9 +360,12 @@ livenessProbe:
 }}
 {{- $cfg := dict
   "proxy_location" $s.proxyLocation
-  "http_options" (dict "host" "0.0.0.0" "port" $s.httpPort)
+  "http_options" $http
   "grpc_options" (dict "port" $s.grpcPort "grpc_servicer_functions" (list "kvserve.deploy.grpc_servicer.add_KVServeServicer_to_server"))
   "applications" (list $app)
 }}
+{{- if $env }}
+{{- $_ := set $cfg "controller_options" (dict "runtime_env" (dict "env_vars" $env)) }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}
