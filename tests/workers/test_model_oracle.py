@@ -78,19 +78,16 @@ def _greedy_matches_transformers(llm: LLM, hf, texts: list[str], n: int) -> None
         assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("mode", ["exact", "int8"])
-def test_smollm2_greedy_matches_transformers(smol_llm: LLM, smol_llm_exact: LLM, hf_smol, mode):
+def test_smollm2_greedy_matches_transformers(smol_llm: LLM, hf_smol):
     """The default GGUF gives transformers' greedy tokens, batched: a text and a chat prompt
-    here, every prompt below in the slow tier (transformers' own decode is the slow part).
-    With 8-bit activations (the default) too, on these prompts."""
-    _greedy_matches_transformers(smol_llm if mode == "int8" else smol_llm_exact, hf_smol,
-                                 PROMPTS[5:7], 16)
+    here, every prompt below in the slow tier (transformers' own decode is the slow part)."""
+    _greedy_matches_transformers(smol_llm, hf_smol, PROMPTS[5:7], 16)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers_on_every_prompt(smol_llm_exact: LLM, hf_smol):
-    """Float32 activations: transformers' greedy 32 tokens for varied prompts, batched."""
-    _greedy_matches_transformers(smol_llm_exact, hf_smol, PROMPTS, 32)
+def test_smollm2_greedy_matches_transformers_on_every_prompt(smol_llm: LLM, hf_smol):
+    """The default GGUF gives transformers' greedy 32 tokens for varied prompts, batched."""
+    _greedy_matches_transformers(smol_llm, hf_smol, PROMPTS, 32)
 
 
 # llama.cpp 0c1e570 (the benchmark docs' build) on these prompts and the chat prompt, 32
@@ -99,17 +96,17 @@ LLAMA_CPP_MEAN_PREFIX = 12.4
 
 
 @pytest.mark.slow
-def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm: LLM, hf_smol):
+def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm_int8: LLM, hf_smol):
     """8-bit activations move greedy decoding off transformers' path on some prompts, as
     llama.cpp's (the same scheme) do: on average no sooner than llama.cpp's do."""
     from kvserve.bench.common import identical
 
-    tok = smol_llm.tokenizer
+    tok = smol_llm_int8.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     prompts.append(tok.apply_chat_template(
         [{"role": "user", "content": "What is the boiling point of water?"}],
         add_generation_prompt=True, tokenize=True))
-    outs = smol_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    outs = smol_llm_int8.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     refs = []
     for ids in prompts:
         with torch.no_grad():
