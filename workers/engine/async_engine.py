@@ -98,17 +98,24 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs (new tokens, text delta) until the request finishes.
+        `lora`: a loaded LoRA adapter's name (None: the base model).
 
-        Bad input raises InvalidRequestError here, before anything is queued.
+        Bad input raises InvalidRequestError here (an unknown adapter NotFoundError), before
+        anything is queued.
         """
         rid = request_id or uuid.uuid4().hex
-        if params is not None and params.structured is not None:
-            # a grammar's first compile can take a second: not on this event loop
-            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, rid)
+        adapter = self.engine.resolve_lora(lora) if lora is not None else None
+        if (params is not None and params.structured is not None) or (
+                adapter is not None and adapter.weights is None):
+            # a grammar's first compile can take a second, an adapter dropped from host
+            # memory is read from disk: not on this event loop
+            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, rid, 0,
+                                          adapter)
         else:
-            seq = self.engine.make_sequence(prompt, params, rid)
+            seq = self.engine.make_sequence(prompt, params, rid, 0, adapter)
         stream = _Stream(asyncio.get_running_loop())
         self._adds.put((seq, stream))
         self._wake.set()
@@ -131,6 +138,17 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    async def add_lora(self, name: str, source: str) -> dict[str, Any]:
+        """Load a LoRA adapter (read and checked on a thread of its own; steps go on)."""
+        return await asyncio.to_thread(self.engine.add_lora, name, source)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self.engine.list_loras()
 
     # ---- stream moves (each runs on the step thread, between steps) ------------------------
     async def export_stream(self, request_id: str) -> bytes:
@@ -367,6 +385,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             if self.dead is not None:  # nothing will step it
+                eng.discard(seq)
                 st.put(self.dead)
                 continue
             try:
