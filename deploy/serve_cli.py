@@ -523,6 +523,17 @@ def add_serve_parser(sub: Any) -> None:
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
+    lo = s.add_argument_group("LoRA adapters")
+    lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a PEFT LoRA adapter (directory or Hub id) served as model NAME "
+                         "(repeatable); turns LoRA on")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter)")
+    lo.add_argument("--max-loras", type=int, default=4,
+                    help="adapters in device slots per worker (a step mixes at most this many)")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    lo.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters kept in host memory per worker (default 4 x --max-loras)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -567,4 +578,6 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float) -> ServeConfig:
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
         shutdown_grace_s=a.shutdown_grace_s, ssl_certfile=a.ssl_certfile,
         ssl_keyfile=a.ssl_keyfile, ssl_ca_certs=a.ssl_ca_certs,
+        loras=list(a.lora), enable_lora=a.enable_lora, max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras,
     )

@@ -74,3 +74,39 @@ def _greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[
                             use_cache=True)
             out.append(seq[len(ids):])
     return out
+
+
+def write_adapter(path: str, num_layers: int, hidden: int, q: int, kv: int, inter: int,
+                  rank: int, seed: int, targets: list[str] | None = None,
+                  scale: float = 0.05) -> str:
+    """A PEFT-format LoRA adapter written directly (no base model loaded): random A and B of
+    `rank` for `targets` in every layer, PEFT's file names, keys and config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    targets = targets or ALL
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(num_layers):
+        for m in targets:
+            part = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            fan_in, fan_out = shapes[m]
+            key = f"base_model.model.model.layers.{i}.{part}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                   "target_modules": targets, "bias": "none", "task_type": "CAUSAL_LM"}, f)
+    return path
+
+
+def smollm2_adapter(path: str, rank: int, seed: int, targets: list[str] | None = None) -> str:
+    """An adapter for the default model (SmolLM2-135M: 30 layers, hidden 576, 9 query and 3
+    KV heads of 64, MLP 1536)."""
+    return write_adapter(path, 30, 576, 576, 192, 1536, rank, seed, targets)

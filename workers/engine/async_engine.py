@@ -200,8 +200,25 @@ class AsyncLLMEngine:
         return await self._call(lambda: self._live_abandon(request_id))
 
     async def live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
-        """Reserve room for a stream on its way in (MoveRefused when there is none)."""
+        """Reserve room for a stream on its way in (MoveRefused when there is none). Its LoRA
+        adapter, if this engine lacks it or dropped it from host memory, is read first on a
+        thread of its own, not on the step thread."""
+        if info.get("lora"):
+            try:
+                await asyncio.to_thread(self._prepare_lora, info["lora"])
+            except Exception as e:
+                raise MoveRefused(f"the stream's LoRA adapter {info['lora']['name']!r}: {e}") from e
         return await self._call(lambda: self._live_reserve(info, growth_tokens))
+
+    def _prepare_lora(self, record: dict[str, Any]) -> None:
+        """A moving stream's adapter here and in host memory (any thread)."""
+        from kvserve.workers.engine.snapshot import record_adapter
+
+        ad = record_adapter(self.engine, record)
+        mgr = self.engine.adapters
+        if ad is not None and mgr is not None and ad.weights is None:
+            mgr.pin(ad)  # reads it back from disk here
+            mgr.unpin(ad)
 
     async def live_write(self, request_id: str, meta: dict[str, Any], data: Any) -> int:
         """A pre-copy round's blocks into the reservation; the blocks written so far."""

@@ -204,7 +204,8 @@ class LLMEngine:
         from kvserve.models import resolve_adapter
 
         ad = self.adapters.add(name, resolve_adapter(source), source)
-        return {"name": ad.name, "source": ad.source, "rank": ad.rank, "modules": list(ad.modules)}
+        return {"name": ad.name, "source": ad.source, "rank": ad.rank, "modules": list(ad.modules),
+                "root": ad.root}
 
     def remove_lora(self, name: str) -> None:
         """Unload `name`: new requests cannot name it; its running ones finish with it."""
