@@ -78,7 +78,7 @@ def _greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[
 
 def write_adapter(path: str, num_layers: int, hidden: int, q: int, kv: int, inter: int,
                   rank: int, seed: int, targets: list[str] | None = None,
-                  scale: float = 0.05) -> str:
+                  scale: float = 0.2) -> str:
     """A PEFT-format LoRA adapter written directly (no base model loaded): random A and B of
     `rank` for `targets` in every layer, PEFT's file names, keys and config."""
     import json

@@ -55,8 +55,8 @@ def oracle(base, adapters) -> dict[str | None, list[list[int]]]:
 def engine(base: str, loras: dict[str, str], **kw) -> LLMEngine:
     kw.setdefault("kv_cache_tokens", 2048)
     kw.setdefault("host_cache_gib", 0)
-    return LLM(base, block_size=4, max_model_len=256, num_threads=1, loras=loras,
-               enable_lora=True, **kw).engine
+    kw.setdefault("max_model_len", 256)
+    return LLM(base, block_size=4, num_threads=1, loras=loras, enable_lora=True, **kw).engine
 
 
 def submit(eng: LLMEngine, names: list[str | None]) -> dict[str, tuple[str | None, int]]:
@@ -109,6 +109,23 @@ def test_more_adapters_than_slots_swap_by_copy_from_host_memory(base, adapters, 
     assert max(peak) <= 2
     assert s["lora_slot_loads"] > len(adapters) - 1 and s["lora_slot_evictions"] > 0
     assert s["lora_disk_loads"] == disk  # every swap was a copy from host memory
+    assert_clean(eng)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_kv_pressure_parks_lora_streams_and_they_resume_with_their_adapter(
+        base, adapters, oracle, async_scheduling):
+    # a pool too small for every stream at once: streams are parked to the host tier and
+    # come back (by copy, under their adapter's hash chain), while two slots serve five
+    # adapters
+    eng = engine(base, adapters, max_loras=2, kv_cache_tokens=96, max_model_len=64,
+                 host_cache_gib=0.01, host_restore_policy="copy", admission_lookahead_tokens=0,
+                 async_scheduling=async_scheduling)
+    ids = submit(eng, [None, *adapters])
+    check(run_to_end(eng), ids, oracle)
+    s = eng.stats()
+    assert s["evictions"] > 0 and s["tokens_restored_copy"] > 0
+    assert s["lora_slot_evictions"] > 0
     assert_clean(eng)
 
 
