@@ -401,6 +401,10 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
           f"{ep.grpc_target}{client_tls} --prompt ...)")
     print(f"  HTTP       {ep.http_url}/v1   ({_tls_note(cfg)}OpenAI API: /v1/completions, "
           "/v1/chat/completions)")
+    if cfg.loras or cfg.enable_lora:
+        names = ", ".join(cfg.loras) or "none yet"
+        print(f"  LoRA       {names}   (as `model`; {cfg.max_loras} device slots per worker; "
+              "POST /v1/load_lora_adapter to add)")
     print(f"  metrics    {ray_ep.metrics_url}   (Prometheus; kvserve's series are ray_kvserve_*)")
     if ray_ep.dashboard_url:
         auth = f"   ({token_hint()})" if ray_ep.token_auth else ""

@@ -28,9 +28,20 @@ class LoraRegistry:
         self._busy: set[str] = set()  # names being loaded or unloaded: not resynced meanwhile
         self._syncing: set[int] = set()  # workers being resynced
         self._lock = asyncio.Lock()
+        self.initialized = False  # `started` ran (else: a restarted router not yet ready)
+
+    async def learn(self, idx: int) -> None:
+        """A restarted router asked before `ready`: take worker `idx`'s adapters (those of
+        the configuration) as the served ones."""
+        try:
+            listing = await self.handles[idx].list_loras.remote()
+        except Exception:
+            return
+        self.started([{"loras": listing}])
 
     def started(self, infos: list[dict[str, Any]]) -> None:
         """The configuration's adapters, as the first workers to answer loaded them."""
+        self.initialized = True
         for info in infos:
             for ad in info.get("loras", []):
                 desc = {k: v for k, v in ad.items() if k != "where"}
@@ -91,7 +102,11 @@ class LoraRegistry:
         return [dict(d) for d in self.known.values()]
 
     def check(self, v: WorkerView) -> None:
-        """After a poll of `v`: bring its adapters in line with the registry (background)."""
+        """After a poll of `v`: bring its adapters in line with the registry (background).
+        Not before the registry knows the configuration's adapters (a router restarted and
+        not yet ready would take every adapter for one unloaded)."""
+        if not self.initialized:
+            return
         missing = set(self.known) - v.loras - self._busy
         extra = v.loras - set(self.known) - self._busy
         if (missing or extra) and v.idx not in self._syncing:

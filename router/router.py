@@ -186,10 +186,13 @@ class RouterActor:
         The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
-        if lora is not None and lora not in self.loras.known:
-            return {"error": "not_found", "message": f"no LoRA adapter named {lora!r} is loaded"}
         alive = [v for v in self.views if v.alive and v.idx not in exclude
                  and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
+        if lora is not None and lora not in self.loras.known and not self.loras.initialized \
+                and alive:
+            await self.loras.learn(alive[0].idx)  # a restarted router, not yet ready
+        if lora is not None and lora not in self.loras.known and self.loras.initialized:
+            return {"error": "not_found", "message": f"no LoRA adapter named {lora!r} is loaded"}
         if not alive:
             return {"error": "unavailable", "message": "no worker is available to take the request"}
         room = [v for v in alive if v.inflight < self.cfg.max_inflight_per_worker]

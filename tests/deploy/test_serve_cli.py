@@ -142,6 +142,31 @@ def test_gpus_per_worker_reaches_the_worker_actors_and_their_device():
         config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "-1"]))
 
 
+def test_lora_flags_reach_the_engine_and_bad_ones_are_one_line():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.serve_cli import config_from_args
+    from kvserve.errors import ConfigError
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["serve", "--lora", "sql=/a/sql", "--lora", "chat=org/chat@v2", "--max-loras", "2",
+         "--max-lora-rank", "64", "--max-cpu-loras", "6"]))
+    engine = cfg.router_config().worker_engine(8)
+    assert engine["loras"] == {"sql": "/a/sql", "chat": "org/chat@v2"}
+    assert (engine["enable_lora"], engine["max_loras"], engine["max_lora_rank"],
+            engine["max_cpu_loras"]) == (True, 2, 64, 6)
+    plain = config_from_args(build_parser().parse_args(["serve"]))
+    assert not plain.engine_config().lora_enabled
+    assert config_from_args(build_parser().parse_args(
+        ["serve", "--enable-lora"])).engine_config().lora_enabled
+    for argv, why in ((["--lora", "sql"], "NAME=PATH"),
+                      (["--lora", "a=/x", "--lora", "a=/y"], "named twice"),
+                      (["--lora", "a=/x", "--max-loras", "4", "--max-cpu-loras", "2"],
+                       "max_cpu_loras"),
+                      (["--lora", "a=/x", "--tensor-parallel-size", "2"], "tensor_parallel_size")):
+        with pytest.raises(ConfigError, match=why):
+            config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "0", *argv]))
+
+
 def test_tensor_parallel_size_reaches_the_engine_and_the_gpus_add_up():
     from kvserve.cli import build_parser
     from kvserve.deploy.serve_cli import config_from_args

@@ -39,7 +39,9 @@ class FakeWorker:
 
 def _setup(workers: list[FakeWorker]) -> tuple[LoraRegistry, list[WorkerView]]:
     views = [WorkerView(i, f"worker-{i}", alive=True) for i in range(len(workers))]
-    return LoraRegistry(workers, views), views
+    reg = LoraRegistry(workers, views)
+    reg.started([{"loras": []} for _ in workers])  # the configuration: no adapters
+    return reg, views
 
 
 def test_load_is_all_or_none_and_unload_reaches_every_worker():
@@ -62,6 +64,28 @@ def test_load_is_all_or_none_and_unload_reaches_every_worker():
         assert (await reg.unload("sql", [0, 1]))["kind"] == "not_found"
 
     asyncio.run(run())
+
+
+def test_a_router_not_yet_ready_leaves_the_workers_adapters_alone():
+    w = FakeWorker()
+    w.loaded = {"sql": "/sql"}  # the configuration's, loaded at the worker's start
+    w.list_loras = _Remote(lambda: _listing(w))
+    views = [WorkerView(0, "worker-0", alive=True, loras={"sql"})]
+    reg = LoraRegistry([w], views)
+
+    async def run() -> None:
+        reg.check(views[0])  # a poll before `ready`: nothing is unloaded
+        await asyncio.sleep(0.05)
+        assert w.loaded == {"sql": "/sql"}
+        await reg.learn(0)  # a pick naming an adapter before `ready`
+        assert set(reg.known) == {"sql"} and reg.initialized
+
+    asyncio.run(run())
+
+
+async def _listing(w: FakeWorker) -> list[dict[str, Any]]:
+    return [{"name": n, "source": s, "rank": 8, "modules": ["q_proj"], "root": 1,
+             "where": "host"} for n, s in w.loaded.items()]
 
 
 def test_a_restarted_worker_gets_its_adapters_back_after_a_poll():

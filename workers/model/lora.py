@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.workers.loading.lora import LINEARS, LoRAWeights, linear_shapes, slot_ranks
+from kvserve.workers.loading.lora import LoRAWeights, linear_shapes, slot_ranks
 from kvserve.workers.model.layers.decoder import DecoderModel
 from kvserve.workers.model.layers.mlp import GatedMLP
 
@@ -98,15 +98,16 @@ class LoRASlots:
         rows = slot_ranks(max_rank)
         self.linears: dict[tuple[int, str], LoRALinear] = {}
         for i, layer in enumerate(model.layers):
-            holders: list[tuple[str, object, str]] = [("qkv", layer.attn, "qkv"), ("o", layer.attn, "o")]
+            # the attribute holding each adapted linear, named as `loading/lora.py` names it
+            holders: list[tuple[str, object]] = [("qkv", layer.attn), ("o", layer.attn)]
             if isinstance(layer.mlp, GatedMLP):  # MoE blocks: attention only (loader refuses)
-                holders += [("gate_up", layer.mlp, "gate_up"), ("down", layer.mlp, "down")]
-            for name, holder, attr in holders:
+                holders += [("gate_up", layer.mlp), ("down", layer.mlp)]
+            for name, holder in holders:
                 shape = shapes[name]
                 a = torch.zeros(max_loras, rows[name], shape.inputs, dtype=self.dtype, device=self.device)
                 b = torch.zeros(max_loras, rows[name], shape.outputs, dtype=self.dtype, device=self.device)
-                lin = LoRALinear(getattr(holder, attr), self, a, b, len(self.linears))
-                setattr(holder, attr, lin)
+                lin = LoRALinear(getattr(holder, name), self, a, b, len(self.linears))
+                setattr(holder, name, lin)
                 self.linears[(i, name)] = lin
         # every linear's slot ranks on the device, for the kernels (CUDA)
         self.rank_table = torch.zeros(len(self.linears), max_loras, dtype=torch.int32,
@@ -196,5 +197,3 @@ def _has_triton() -> bool:
         return False
     return True
 
-
-__all__ = ["LINEARS", "LoRALinear", "LoRASlots", "StepLoRA"]
