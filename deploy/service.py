@@ -23,6 +23,7 @@ from ray.exceptions import ObjectLostError, RayActorError
 from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.placement import check_placement
 from kvserve.deploy.ray_endpoints import known_ray_endpoints
 from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.deploy.stream_relay import StreamRelay
@@ -37,6 +38,7 @@ from kvserve.tools.parsers import for_template
 from kvserve.tools.spec import ToolPlan
 from kvserve.workers.loading.tokenizer import load_tokenizer
 from kvserve.workers.structured.grammars import check_spec
+from kvserve.workers.structured.vocab import marker_tokens
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,9 @@ class Service:
         # the tokenizer only: the weights are fetched by the workers, into their nodes' caches
         self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         # the call format of the model's template (tool_choice auto)
-        self.tool_parser = for_template(self.tokenizer.chat_template)
+        self.tool_parser = for_template(self.tokenizer.chat_template, marker_tokens(self.tokenizer))
+        if router is None:  # workers no node can ever hold fail here, not in a silent wait
+            check_placement(cfg)
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
@@ -98,7 +102,7 @@ class Service:
         self.loras: dict[str, dict[str, Any]] = {}
 
     async def start(self) -> None:
-        info = await self.router.ready.remote()
+        info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
         await self._refresh_workers()
         await self._refresh_loras()
         self.max_model_len = int(info["max_model_len"])
@@ -184,7 +188,8 @@ class Service:
     # ---- request building -------------------------------------------------------------------
     def apply_tools(self, plan: ToolPlan | None, sampling: dict[str, Any]) -> None:
         """A forced tool call is the request's structured output; `auto` keeps the special
-        tokens a call format may be marked with."""
+        tokens a call format may be marked with, and with a strict function its structured
+        output is free text (or the response_format) and calls in the template's format."""
         if plan is None or not plan.returns_calls:
             return
         if plan.forced:
@@ -192,8 +197,17 @@ class Service:
                 raise ServiceError("invalid", "response_format cannot be combined with a "
                                               f"forced tool_choice ({plan.mode})")
             sampling["structured"] = plan.structured()
-        elif self.tool_parser.needs_special_tokens:
+            return
+        if self.tool_parser.needs_special_tokens:
             sampling["skip_special_tokens"] = False
+        if plan.strict:
+            answer = sampling.get("structured")
+            try:
+                if answer is not None:  # its own message names what is wrong with it
+                    check_spec(answer)
+                sampling["structured"] = plan.auto_structured(self.tool_parser, answer)
+            except InvalidRequestError as e:
+                raise ServiceError("invalid", str(e)) from None
 
     def tokenize(
         self, prompt: str | None = None, prompt_ids: list[int] | None = None,
@@ -289,7 +303,7 @@ class Service:
             try:
                 if slot.epoch != self.epoch or slot.idx >= len(self.workers):
                     # the router was restarted with new workers, or started more
-                    await self.router.ready.remote()
+                    await self.router.ready.remote(self.cfg.wait_for_all_workers)
                     await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,

@@ -29,6 +29,8 @@ def response_format(structured: Any) -> Any:
         return pb.ResponseFormat(json_schema=pb.JsonSchema(schema=s.spec, strict=s.strict))
     if s.type == "regex":
         return pb.ResponseFormat(regex=s.spec)
+    if s.type == "structural_tag":  # built by the server from a request's tools, not sent
+        raise ValueError("a structural_tag is not a response_format; send the tools instead")
     return pb.ResponseFormat(grammar=s.spec)
 
 

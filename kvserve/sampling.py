@@ -131,11 +131,13 @@ class SamplingParams(BaseModel):
         if self.structured is not None:
             # the grammar ends the output with EOS where it is complete: a request that bans
             # EOS there would have no token left to choose
+            what = ("a strict function (its calls are a structured output)"
+                    if self.structured.type == "structural_tag" else "a structured output")
             if self.ignore_eos:
-                raise ValueError("ignore_eos cannot be combined with a structured output "
+                raise ValueError(f"ignore_eos cannot be combined with {what} "
                                  "(the output ends where the structure is complete)")
             if self.min_tokens:
-                raise ValueError("min_tokens cannot be combined with a structured output "
+                raise ValueError(f"min_tokens cannot be combined with {what} "
                                  "(the output ends where the structure is complete)")
         return self
 

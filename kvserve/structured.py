@@ -4,7 +4,8 @@
 moved stream rebuilds its grammar), and each worker's grammar engine compiles it
 (`kvserve.workers.structured`). The front ends turn their own request shapes into it:
 OpenAI's `response_format` (`from_response_format`), kvserve's `regex` / `grammar`
-extensions, and forced tool calls (`kvserve.tools`).
+extensions, forced tool calls and the calls of strict functions under `tool_choice: "auto"`
+(`kvserve.tools`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from kvserve.errors import InvalidRequestError
 
-Kind = Literal["json_object", "json_schema", "regex", "grammar"]
+Kind = Literal["json_object", "json_schema", "regex", "grammar", "structural_tag"]
 
 # A schema nested deeper than this is refused before any engine sees it (a hostile schema
 # must not cost the ingress a deep recursion).
@@ -34,6 +35,9 @@ class StructuredOutput(BaseModel):
     - `regex`: text matching the regular expression `spec`.
     - `grammar`: text of the grammar `spec`, in GBNF (llama.cpp's grammar syntax; the
       start rule is `root`).
+    - `structural_tag`: the grammar engine's structural tag `spec` (xgrammar's JSON form):
+      free text until a trigger string, then a constrained part (a strict function's call
+      under `tool_choice: "auto"`; built by `kvserve.tools`, not taken from clients).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -57,7 +61,7 @@ class StructuredOutput(BaseModel):
 
 
 _WHAT = {"json_object": "", "json_schema": "schema", "regex": "regular expression",
-         "grammar": "grammar"}
+         "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def json_schema_output(schema: Any, strict: bool = False, where: str = "schema") -> StructuredOutput:
@@ -74,6 +78,30 @@ def json_schema_output(schema: Any, strict: bool = False, where: str = "schema")
     _check_depth(schema, where)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     return _built(type="json_schema", spec=text, strict=strict)
+
+
+def structural_tag_output(fmt: Mapping[str, Any], where: str = "tools") -> StructuredOutput:
+    """A structural_tag constraint from a format (xgrammar's structural tag `format` object)."""
+    _check_depth(fmt, where)
+    text = json.dumps({"type": "structural_tag", "format": fmt}, separators=(",", ":"),
+                      ensure_ascii=False)
+    return _built(type="structural_tag", spec=text)
+
+
+def as_format(s: StructuredOutput) -> dict[str, Any]:
+    """`s` as a structural tag format, to be one part of a larger structure.
+
+    A JSON schema there is always kept to exactly the schema (as `strict`), which a non-strict
+    schema's valid outputs include."""
+    if s.type == "json_object":
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if s.type == "json_schema":
+        return {"type": "json_schema", "json_schema": json.loads(s.spec)}
+    if s.type == "regex":
+        return {"type": "regex", "pattern": s.spec}
+    if s.type == "grammar":
+        return {"type": "grammar", "grammar": s.spec}
+    return json.loads(s.spec)["format"]
 
 
 def from_response_format(rf: Any) -> StructuredOutput | None:

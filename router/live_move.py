@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LiveMoveConfig:
-    copy_share: float = 0.02  # of the source's step time a round's copies may take
+    copy_share: float = 0.02  # of the source's time a round's copies may take
+    round_interval_s: float = 0.2  # rounds at least this far apart: their calls weigh little
     growth_tokens: int = 256  # tokens the target reserves beyond the stream's length
     final_blocks: int = 2  # go to the final stage once at most this many full blocks are left
     max_rounds: int = 10_000  # then the final stage whatever is left
@@ -99,6 +100,7 @@ async def live_move(src: Worker, dst: Worker, dst_idx: int, request_id: str,
         t0 = time.monotonic()
         write: asyncio.Task | None = None
         while True:
+            started = time.monotonic()
             meta, data = await _ok2(src, "source", src.call2("live_round", request_id,
                                                                cfg.copy_share), cfg)
             if write is not None:
@@ -112,6 +114,7 @@ async def live_move(src: Worker, dst: Worker, dst_idx: int, request_id: str,
             if (meta["left"] <= cfg.final_blocks or res.rounds >= cfg.max_rounds
                     or time.monotonic() - t0 > cfg.max_precopy_s):
                 break
+            await asyncio.sleep(max(0.0, cfg.round_interval_s - (time.monotonic() - started)))
         if write is not None:
             await write
         res.precopy_s = time.monotonic() - t0
@@ -122,7 +125,9 @@ async def live_move(src: Worker, dst: Worker, dst_idx: int, request_id: str,
         res.bytes += _nbytes(meta)
         stage = "commit"
         await _ok(dst, "target", dst.call("live_commit", request_id, meta, data), cfg)
-        res.stall_s = time.monotonic() - t1
+        # from the stream's last step on its source (the step under way when the final stage
+        # was asked for still ran there) to its commit on the target
+        res.stall_s = max(0.0, time.monotonic() - t1 - float(meta.get("waited_s", 0.0)))
         stage = "done"
     except BaseException as e:
         await _undo(src, dst, request_id, stage, e)

@@ -233,7 +233,8 @@ class StreamMover:
                 if not (method == "auto" and e.snapshot):
                     if e.side == "target" and not e.refused:
                         self._target_failed(dst)
-                    return {"error": str(e), "refused": e.refused, "method": "live"}
+                    return {"error": str(e), "refused": e.refused, "method": "live",
+                            "side": e.side}
             else:
                 n = r.bytes
                 self.counts[src].update(out=1, bytes_out=n)

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-DEFAULT_CONTEXTS = "256,1024,4096,8000"
+DEFAULT_CONTEXTS = "256,1024,4096,7680"
 
 
 def add_parser(sub: Any) -> None:
@@ -33,8 +33,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS,
                    help="prompt lengths (tokens) of the moved stream")
     p.add_argument("--rounds", type=int, default=2, help="moves per method and context")
-    p.add_argument("--before", type=int, default=24, help="tokens generated before the move")
-    p.add_argument("--after", type=int, default=24, help="tokens generated after the move")
+    p.add_argument("--before", type=int, default=48,
+                   help="tokens generated before the move (the step-time baseline)")
+    p.add_argument("--after", type=int, default=16,
+                   help="tokens read from the target after the move (the stream, as long as "
+                        "the context allows, is then cancelled)")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="each worker's pool (default: the longest context and 1024 more)")
     p.add_argument("--threads", type=int, default=None,
@@ -66,12 +69,14 @@ def run(a: Any) -> int:
 
         stub = _stub(svc)
         vocab = 40000
+        svc_context = stub.ListModels(pb.ListModelsRequest()).models[0].max_model_len
         for ctx in contexts:
             prompts = random_prompts(2 * a.rounds, ctx, vocab, a.seed + ctx)
             for r in range(a.rounds):
                 for k, method in enumerate(("live", "snapshot") if r % 2 == 0
                                            else ("snapshot", "live")):
-                    row = _one(stub, pb, prompts[2 * r + k], method, a.before, a.after)
+                    row = _one(stub, pb, prompts[2 * r + k], method, a.before, a.after,
+                               svc_context - ctx - 1)
                     row.update(context=ctx, round=r)
                     rows.append(row)
                     print(f"bench migrate: context {ctx:5d} {method:8s} stall "
@@ -98,11 +103,13 @@ def _stub(svc: Any) -> Any:
     return kvserve_pb2_grpc.KVServeStub(ch)
 
 
-def _one(stub: Any, pb: Any, prompt: list[int], method: str, before: int, after: int
-         ) -> dict[str, Any]:
-    """Serve one stream and move it after `before` tokens; the client's view of the move."""
+def _one(stub: Any, pb: Any, prompt: list[int], method: str, before: int, after: int,
+         room: int) -> dict[str, Any]:
+    """Serve one stream and move it after `before` tokens; the client's view of the move.
+    The stream may run to the context (`room` tokens): the pre-copy rounds take a step each,
+    and it is cancelled once `after` tokens came from the target."""
     rid = f"mig-{uuid.uuid4().hex[:10]}"
-    sampling = pb.SamplingParams(temperature=0, max_tokens=before + after, ignore_eos=True)
+    sampling = pb.SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     stream = stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling,
                                                     request_id=rid), timeout=3600)
     arrivals: list[tuple[float, str, int]] = []  # (time, worker, tokens in the chunk)
@@ -119,9 +126,17 @@ def _one(stub: Any, pb: Any, prompt: list[int], method: str, before: int, after:
 
     mover: threading.Thread | None = None
     n = 0
+    first: str | None = None
+    moved_tokens = 0
     for chunk in stream:
         arrivals.append((time.perf_counter(), chunk.worker_id, len(chunk.delta_token_ids)))
         n += len(chunk.delta_token_ids)
+        first = first or chunk.worker_id
+        if chunk.worker_id != first:
+            moved_tokens += len(chunk.delta_token_ids)
+            if moved_tokens >= after:
+                stream.cancel()
+                break
         if mover is None and n >= before:
             mover = threading.Thread(target=do_move)
             mover.start()
@@ -133,7 +148,7 @@ def _one(stub: Any, pb: Any, prompt: list[int], method: str, before: int, after:
     src = res.from_worker
     gaps = [(t1 - t0, t1) for (t0, *_), (t1, *_) in zip(arrivals, arrivals[1:], strict=False)]
     t_move = move["t0"]
-    base = [g for g, t in gaps if t <= t_move][-16:]
+    base = [g for g, t in gaps if t <= t_move][-32:]
     last_src = max(t for t, w, _ in arrivals if w == src)
     first_dst = min(t for t, w, _ in arrivals if w != src)
     during = [g for g, t in gaps if t_move < t <= last_src]

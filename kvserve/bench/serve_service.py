@@ -111,7 +111,7 @@ def _wait_stopped(procs: list[Any], timeout_s: float = 2.0) -> None:
 def start_service(
     engine: Any, api_key: str | None = None, stream_interval_ms: float | None = None,
     num_workers: int = 1, pin_sessions: bool = False, num_gpus_per_worker: float = 0.0,
-    **settings: Any,
+    **serve_settings: Any,
 ) -> BenchService:
     """Deploy the app with `num_workers` workers running `engine` (an EngineConfig), each
     with `num_gpus_per_worker` of a GPU; wait until ready. `pin_sessions`: a session stays on
@@ -129,7 +129,7 @@ def start_service(
                       api_keys=[api_key] if api_key else [],
                       stream_interval_ms=stream_interval_ms, num_workers=num_workers,
                       num_gpus_per_worker=num_gpus_per_worker,
-                      max_imbalance=1_000_000 if pin_sessions else 4, **settings)
+                      max_imbalance=1_000_000 if pin_sessions else 4, **serve_settings)
     each = (f"{num_gpus_per_worker:g} GPU" if num_gpus_per_worker
             else f"{engine.num_threads} threads")
     print(f"bench serve: starting the service ({num_workers} worker(s) on {engine.device}, "

@@ -4,7 +4,9 @@
 model: the output is then a JSON array of calls, `[{"name": ..., "arguments": {...}}]`,
 whose items the schema ties to each function's parameters (one item for a named function
 or with `parallel_tool_calls: false`). `auto` leaves the model free and parses its own call
-format afterwards; `none` renders the tools but never returns calls.
+format afterwards; where a function is `strict`, the grammar engine also holds the calls the
+model starts in that format to the tools' names and strict functions' arguments to their
+schemas (`ToolPlan.auto_structured`). `none` renders the tools but never returns calls.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvserve.errors import InvalidRequestError
-from kvserve.structured import StructuredOutput, json_schema_output
+from kvserve.structured import (
+    StructuredOutput,
+    as_format,
+    json_schema_output,
+    structural_tag_output,
+)
+from kvserve.tools.parsers.base import ToolParser
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
@@ -58,6 +66,11 @@ class ToolPlan:
     def returns_calls(self) -> bool:
         return self.mode != "none" and bool(self.functions)
 
+    @property
+    def strict(self) -> bool:
+        """Whether `auto` constrains the calls the model starts (a function is strict)."""
+        return self.mode == "auto" and any(f.strict for f in self.functions)
+
     def tools(self) -> list[dict[str, Any]]:
         return [f.as_tool() for f in self.functions]
 
@@ -74,6 +87,20 @@ class ToolPlan:
         # strict: the arguments name only the parameters' properties (extra keys only where a
         # schema allows them explicitly), as a function called with them expects
         return json_schema_output(schema, strict=True, where="tools")
+
+    def auto_structured(self, parser: ToolParser, answer: StructuredOutput | None
+                        ) -> StructuredOutput | None:
+        """The constraint of `auto` with strict functions, None without: the model writes
+        free text (or its `answer`, the request's response_format) or calls in `parser`'s
+        format; a call names one of the functions, and a strict function's arguments follow
+        its parameters exactly as a forced call's do (a function that is not strict takes
+        any object)."""
+        if not self.strict:
+            return None
+        calls = [(f.name, (f.parameters or {"type": "object", "properties": {}}) if f.strict
+                  else {"type": "object"}) for f in self.functions]
+        fmt = parser.constrained(calls, self.parallel, as_format(answer) if answer else None)
+        return structural_tag_output(fmt)
 
 
 def _call_schema(f: Function) -> dict[str, Any]:

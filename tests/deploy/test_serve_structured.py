@@ -46,6 +46,9 @@ TIME = {"type": "function", "function": {
                    "required": ["tz"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 PARAMS = {f["function"]["name"]: f["function"]["parameters"] for f in (WEATHER, TIME)}
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+# SmolLM2 answers this with "<tool_response>" (greedy): banning "response" makes it "<tool_call>"
+CALL_ME = [{"role": "user", "content": "Use a tool call: get_weather for Paris in celsius."}]
 
 
 class Landmark(BaseModel):
@@ -145,6 +148,44 @@ def test_tool_results_go_back_into_the_conversation(client):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+@pytest.fixture(scope="module")
+def no_response() -> dict[str, float]:
+    from kvserve.models import default_model
+    from kvserve.workers.loading.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(default_model()).encode("<tool_response>", add_special_tokens=False)
+    return {ids[3]: -100.0}  # "<", "tool", "_", "response", ">"
+
+
+def test_strict_function_under_auto_calls_validate_and_text_stays_free(client, no_response):
+    kw = dict(model="default", messages=CALL_ME, tools=[STRICT_WEATHER, TIME], temperature=0,
+              max_tokens=48, parallel_tool_calls=False,
+              logit_bias={str(k): v for k, v in no_response.items()})
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch.message
+    call = ch.message.tool_calls[0].function
+    jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+    streamed, finish = _tool_call_streamed(client, **kw)
+    assert streamed == [(call.name, call.arguments)] and finish == "tool_calls"
+    # no call: the answer is text, as without strict
+    r = client.chat.completions.create(model="default", messages=ASK, tools=[STRICT_WEATHER],
+                                       temperature=0, max_tokens=12)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    # with a response_format: an answer in that format, or a call
+    yes_no = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=[STRICT_WEATHER], temperature=0, max_tokens=64,
+        parallel_tool_calls=False,
+        response_format={"type": "json_schema", "json_schema": {"name": "yn", "schema": yes_no}})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason in ("stop", "tool_calls"), m
+    if m.tool_calls:
+        jsonschema.validate(json.loads(m.tool_calls[0].function.arguments), PARAMS["get_weather"])
+    else:
+        jsonschema.validate(json.loads(m.content), yes_no)
+
+
 def test_logit_bias_changes_the_greedy_token(serve_app, client, stub):
     md = serve_app.metadata
     base = stub.Generate(pb.GenerateRequest(prompt="The capital of France is", sampling=pb.SamplingParams(
@@ -171,6 +212,7 @@ def test_logit_bias_changes_the_greedy_token(serve_app, client, stub):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "nope"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"tools": [STRICT_WEATHER], "ignore_eos": True}, "strict function"),
 ])
 def test_bad_requests_get_400_naming_the_problem(client, extra, msg):
     with pytest.raises(openai.BadRequestError) as e:
@@ -185,7 +227,7 @@ def test_unknown_fields_are_ignored(client):
     assert r.choices[0].finish_reason == "length"
 
 
-def test_grpc_structured_outputs_tools_and_errors(serve_app, stub):
+def test_grpc_structured_outputs_tools_and_errors(serve_app, stub, no_response):
     md = serve_app.metadata
     fmt = pb.ResponseFormat(json_schema=pb.JsonSchema(name="city", schema=json.dumps(CITY),
                                                       strict=True))
@@ -213,6 +255,16 @@ def test_grpc_structured_outputs_tools_and_errors(serve_app, stub):
     assert deltas[0].id and deltas[0].name == "get_weather"
     assert "".join(d.arguments for d in deltas) == call.arguments
     assert chunks[-1].finish_reason == "tool_calls"
+
+    # a strict function under auto: the call it starts follows its schema
+    strict = tool(STRICT_WEATHER)
+    strict.function.strict = True
+    r = stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(**CALL_ME[0])], tools=[strict],
+                                 parallel_tool_calls=False, sampling=pb.SamplingParams(temperature=0, max_tokens=48,
+                                                            logit_bias=no_response)), metadata=md)
+    assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1, r.text
+    assert r.tool_calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(r.tool_calls[0].arguments), PARAMS["get_weather"])
 
     bad = pb.ResponseFormat(json_schema=pb.JsonSchema(schema='{"type": "no-such-type"}'))
     for sampling, msg in [(pb.SamplingParams(response_format=bad), "no-such-type"),

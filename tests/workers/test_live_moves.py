@@ -1,5 +1,5 @@
-"""Live moves between two WorkerActor bodies in-process (real engines on the default model, no
-Ray), driven by the router's own protocol (`router/live_move.py`) or call by call: the stream
+"""Live moves between two WorkerActor bodies in-process (real engines on a tiny random Llama
+with SmolLM2's tokenizer, no Ray), driven by the router's own protocol (`router/live_move.py`) or call by call: the stream
 keeps decoding on its source during the pre-copy rounds, its consumer reads every token once,
 and the output is the unmoved run's (greedy, seeded sampling, logprobs, stop strings, a JSON
 schema). Refusals and failures leave both engines clean."""
@@ -11,6 +11,8 @@ import json
 import time
 
 import pytest
+from engine_runs import held_mid_stream
+from tiny_models import tiny_model_path
 
 from kvserve.router.live_move import LiveMoveConfig, LocalWorker, MoveFailed, live_move
 from kvserve.workers.worker_actor import WorkerActor
@@ -22,8 +24,9 @@ GREEDY = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def pair():
-    a, b = WorkerActor("worker-0", ENGINE), WorkerActor("worker-1", ENGINE)
+def pair(tmp_path_factory):
+    engine = {**ENGINE, "model": tiny_model_path(tmp_path_factory)}
+    a, b = WorkerActor("worker-0", engine), WorkerActor("worker-1", engine)
     yield a, b
     a.engine.shutdown()
     b.engine.shutdown()
@@ -53,16 +56,7 @@ async def whole(w: WorkerActor, rid: str, params: dict) -> list[dict]:
 
 async def held(w: WorkerActor, rid: str, params: dict, steps: int) -> tuple[object, list[dict]]:
     """`rid` started on `w` with its engine held after `steps` steps; its first chunk read."""
-    await w.engine.pause()
-    gen = w.generate(rid, ids(w), params)
-    first = asyncio.ensure_future(gen.__anext__())
-    deadline = time.monotonic() + 30
-    while rid not in w.engine.unfinished_ids():
-        assert time.monotonic() < deadline, f"{rid} never reached the engine"
-        await asyncio.sleep(0.01)
-    for _ in range(steps):
-        await w.engine.step()
-    return gen, [await first]
+    return await held_mid_stream(w, rid, ids(w), params, steps)
 
 
 def joined(chunks: list[dict]) -> tuple[list[int], str]:
@@ -116,9 +110,10 @@ def test_live_moved_stream_is_the_unmoved_one(pair, params):
 
 def test_a_stream_moved_while_its_source_runs_is_the_unmoved_one(pair):
     """The router's protocol against a source that keeps stepping: rounds come between its
-    steps (a long answer, so the move ends long before the stream does)."""
+    steps (an answer as long as the context allows: the move, a few rounds of one step each,
+    ends hundreds of steps before the stream does)."""
     a, b = pair
-    params = {**GREEDY, "max_tokens": 160}
+    params = {**GREEDY, "max_tokens": 512 - len(ids(a))}
 
     async def run():
         want = await whole(a, "ref", params)

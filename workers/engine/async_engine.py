@@ -84,7 +84,6 @@ class AsyncLLMEngine:
         self._parked = ParkedTracker()
         self._live_out: dict[str, Source] = {}  # live moves out of this engine
         self._live_in: dict[str, Target] = {}  # live moves into it (reservations)
-        self.step_s = 0.0  # moving average of a step's wall time (paces live-move rounds)
         # every stream's state, tokens and blocks, rebuilt after a step once asked for
         self._view: list[dict[str, Any]] = []
         self._want_view = True
@@ -183,12 +182,13 @@ class AsyncLLMEngine:
     async def live_round(self, request_id: str, copy_share: float,
                          max_blocks: int | None = None) -> tuple[dict[str, Any], Any]:
         """The next pre-copy round: (meta, block bytes). The round's copies take about
-        `copy_share` of a step's time here (at the copy rate measured so far)."""
+        `copy_share` of the time since the last round (at the copy rate measured so far)."""
         return await self._call(lambda: self._live_round(request_id, copy_share, max_blocks))
 
     async def live_freeze(self, request_id: str) -> tuple[dict[str, Any], Any]:
         """The final stage: the stream stops here; (meta with its state, the last blocks)."""
-        return await self._call(lambda: self._live_freeze(request_id))
+        asked = time.monotonic()
+        return await self._call(lambda: self._live_freeze(request_id, asked))
 
     async def live_finish(self, request_id: str, target: int) -> bool:
         """The target committed: free the stream here; its consumer continues on `target`.
@@ -309,7 +309,6 @@ class AsyncLLMEngine:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
             try:
                 outs = eng.step()
             except EngineDeadError as e:
@@ -319,8 +318,6 @@ class AsyncLLMEngine:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            dt = time.perf_counter() - t0
-            self.step_s = dt if self.step_s == 0.0 else 0.9 * self.step_s + 0.1 * dt
             self._deliver(outs)
             self._refresh()
         self._fail_all(RuntimeError("engine shut down"))
@@ -505,7 +502,7 @@ class AsyncLLMEngine:
     def _live_round(self, rid: str, share: float, max_blocks: int | None) -> tuple[dict, Any]:
         src = self._source(rid)
         if max_blocks is None:
-            max_blocks = src.budget(self.step_s, share)
+            max_blocks = src.budget(share, time.monotonic())
         t0 = time.perf_counter()
         try:
             meta, data = src.round(self.engine, max_blocks)
@@ -515,7 +512,8 @@ class AsyncLLMEngine:
         src.observe(meta["blocks"], time.perf_counter() - t0)
         return meta, data
 
-    def _live_freeze(self, rid: str) -> tuple[dict, Any]:
+    def _live_freeze(self, rid: str, asked: float) -> tuple[dict, Any]:
+        waited = time.monotonic() - asked  # the step under way when it was asked for ran on
         src = self._source(rid)
         # asynchronous scheduling: the stream's tokens in flight go to its consumer first
         self._deliver(self.engine.flush())
@@ -528,6 +526,7 @@ class AsyncLLMEngine:
         if st is not None:  # waits for the verdict, as an exported stream's consumer
             self._moving[rid] = st
         self._refresh()
+        meta["waited_s"] = waited
         return meta, data
 
     def _live_finish(self, rid: str, target: int) -> bool:

@@ -8,9 +8,10 @@ step thread, between steps):
    room, another model or block size, a context too short: refused, nothing changes, and the
    stream stays where it is.
 2. **Rounds** on the source (`Source.round`) while it keeps decoding: the full blocks written
-   since the last round, at most a budget of bytes per round (`copy_share` of the source's
-   recent step time at its measured copy bandwidth: the copies take that share of the
-   source's time, not more), go to the target (`Target.write`), which copies them into its
+   since the last round, at most a budget per round (`copy_share` of the time since the
+   last round, at the copy rate the rounds measured: the copies take that share of the
+   source's time, not more; the router spaces the rounds so that their fixed costs, a few
+   calls each, weigh little), go to the target (`Target.write`), which copies them into its
    reserved blocks. Full blocks never change, so a round needs no pause.
 3. **Final stage** once little is left (`Source.freeze`): the stream sits out the source's
    batch (its blocks stay referenced, `KVCacheManager.hold`), and the last full blocks, the
@@ -99,15 +100,17 @@ class Source:
     frozen: StreamState | None = None  # set from the final stage on (the held stream)
     seq: Sequence | None = None
     read_s_per_block: float = 0.0  # moving average of the rounds' copy time per block
+    last_round: float = 0.0  # when the last round ran (monotonic)
 
-    def budget(self, step_s: float, share: float) -> int:
-        """Blocks for the next round: its copies take `share` of a step's time (at least one
-        block; a few to measure the copy rate on the first round)."""
-        if self.read_s_per_block <= 0.0 or step_s <= 0.0:
+    def budget(self, share: float, now: float) -> int:
+        """Blocks for the next round: the copies take `share` of the time since the last
+        round (at least one block; a few to measure the copy rate on the first round)."""
+        if self.read_s_per_block <= 0.0 or self.last_round <= 0.0:
             return FIRST_ROUND_BLOCKS
-        return max(1, int(share * step_s / self.read_s_per_block))
+        return max(1, int(share * (now - self.last_round) / self.read_s_per_block))
 
     def observe(self, blocks: int, seconds: float) -> None:
+        self.last_round = time.monotonic()
         if blocks:
             per = seconds / blocks
             self.read_s_per_block = per if self.read_s_per_block == 0.0 else (
@@ -178,20 +181,25 @@ class Source:
         self.check(engine)
         seq = self.seq
         assert seq is not None
-        engine.scheduler.running.remove(seq)
-        self.frozen = engine.kv.hold(self.request_id)
-        state = self.frozen
+        move = transport(engine)
+        assert move is not None  # (begin checked it)
         bs = engine.kv.block_size
-        n = state.num_computed
-        ids = state.block_ids[self.sent : engine.kv.blocks_needed(n)]
-        meta = {"first": self.sent, "blocks": len(ids), "tokens": n,
-                "hashes": _hashes(engine, seq, self.sent, n // bs),
-                "record": stream_record(engine, seq)}
-        data = np.empty(0, dtype=np.uint8)
-        if ids:
-            t = transport(engine).read(ids)  # type: ignore[union-attr]
-            meta.update(shape=list(t.shape), dtype=_dtype(engine))
-            data = _pack(t)
+        hashes = _hashes(engine, seq, self.sent, engine.kv.num_computed(self.request_id) // bs)
+        engine.scheduler.running.remove(seq)
+        self.frozen = state = engine.kv.hold(self.request_id)
+        try:
+            n = state.num_computed
+            ids = state.block_ids[self.sent : engine.kv.blocks_needed(n)]
+            meta = {"first": self.sent, "blocks": len(ids), "tokens": n, "hashes": hashes,
+                    "record": stream_record(engine, seq)}
+            data = np.empty(0, dtype=np.uint8)
+            if ids:
+                t = move.read(ids)
+                meta.update(shape=list(t.shape), dtype=_dtype(engine))
+                data = _pack(t)
+        except BaseException:
+            self.thaw(engine)  # it runs on here, as if the final stage had not begun
+            raise
         self.rounds += 1
         self.bytes_sent += data.nbytes
         return meta, data

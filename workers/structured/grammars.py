@@ -6,7 +6,10 @@ per step, which every constrained step pays; its larger compile cost is paid onc
 schema, cached, and off the step thread.
 
 - The tokenizer info is built from kvserve's own tokenizer (`vocab.py`: each token's bytes),
-  on the first constrained request, with the end-of-sequence ids as stop tokens.
+  on the first constrained request, with the end-of-sequence ids as stop tokens. Structural
+  tags (strict functions' calls under `tool_choice: "auto"`) get a second one where the
+  tokenizer has call markers as special tokens (`[TOOL_CALLS]`), which their token rules
+  produce (`vocab.py`).
 - `compile(spec)` goes through one LRU per process keyed by the tokenizer and the spec's
   text (engines of one model in a process share it); `state(spec)` gives a new stream its
   matcher.
@@ -29,7 +32,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.structured import StructuredOutput
 from kvserve.workers.loading.tokenizer import Tokenizer
 from kvserve.workers.structured.state import GrammarState
-from kvserve.workers.structured.vocab import build_vocab
+from kvserve.workers.structured.vocab import build_vocab, marker_tokens
 
 CACHE_SIZE = 256
 # The engine's own threads: compiles run beside the step loop, mask fills inside it.
@@ -53,11 +56,13 @@ def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
                                             strict_mode=spec.strict)
     if spec.type == "regex":
         return xgr.Grammar.from_regex(spec.spec)
+    if spec.type == "structural_tag":
+        return xgr.Grammar.from_structural_tag(spec.spec)
     return xgr.Grammar.from_ebnf(spec.spec, root_rule_name="root")
 
 
 _WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regular expression",
-         "grammar": "GBNF grammar"}
+         "grammar": "GBNF grammar", "structural_tag": "functions' parameters schema"}
 
 
 def _refusal(spec: StructuredOutput, e: Exception) -> InvalidRequestError:
@@ -105,17 +110,20 @@ class Grammars:
         self.cache_hits = 0
         self.compile_s = 0.0
 
-    def _compiler(self) -> Any:
+    def _compiler(self, spec: StructuredOutput | None = None) -> Any:
+        spelled = frozenset(marker_tokens(self.tokenizer, self.vocab_size).values()) \
+            if spec is not None and spec.type == "structural_tag" else frozenset()
+        key = (*self.key, tuple(sorted(spelled)))
         with _LOCK:
-            compiler = _COMPILERS.get(self.key)
+            compiler = _COMPILERS.get(key)
             if compiler is None:
                 xgr = _xgr()
-                v = build_vocab(self.tokenizer, self.vocab_size)
+                v = build_vocab(self.tokenizer, self.vocab_size, spelled)
                 info = xgr.TokenizerInfo(v.tokens, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=v.eos_ids or None)
                 compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
                                                cache_enabled=False)
-                _COMPILERS[self.key] = compiler
+                _COMPILERS[key] = compiler
             return compiler
 
     def compile(self, spec: StructuredOutput) -> Any:
@@ -127,7 +135,7 @@ class Grammars:
                 _CACHE.move_to_end(key)
                 self.cache_hits += 1
                 return hit
-        compiler = self._compiler()
+        compiler = self._compiler(spec)
         t0 = time.perf_counter()
         try:
             compiled = compiler.compile_grammar(_grammar(_xgr(), spec))

@@ -3,9 +3,24 @@ separated by ';' or in a list), after an optional `<|python_tag|>`."""
 
 from __future__ import annotations
 
-from kvserve.tools.parsers.base import ParsedCall, ToolParser, call_from_object, decode_json_values
+import json
+from typing import Any
+
+from kvserve.tools.parsers.base import (
+    CallSchema,
+    ParsedCall,
+    ToolParser,
+    arguments_format,
+    call_from_object,
+    decode_json_values,
+)
 
 _TAG = "<|python_tag|>"
+# text that does not start a call: empty or blank, or its first non-blank character is not '{'
+_FREE = {"type": "or", "elements": [
+    {"type": "regex", "pattern": r"[ \t\r\n]*"},
+    {"type": "sequence", "elements": [{"type": "regex", "pattern": r"[ \t\r\n]*[^{ \t\r\n]"},
+                                      {"type": "any_text"}]}]}
 
 
 class Llama3JsonParser(ToolParser):
@@ -39,3 +54,14 @@ class Llama3JsonParser(ToolParser):
     def started(self, text: str) -> bool:
         s = text.lstrip()
         return s.startswith("{") or s.startswith(_TAG)
+
+    def constrained(self, calls: list[CallSchema], parallel: bool,
+                    answer: dict[str, Any] | None) -> dict[str, Any]:
+        # no marker: a call is the whole message, so a message that starts with '{' is calls
+        # (separated by "; "), and any other is free text. `<|python_tag|>` (optional before
+        # the calls) stays a special token the grammar never produces.
+        tags = [{"type": "tag", "begin": f'{{"name": {json.dumps(name)}, "parameters": ',
+                 "content": arguments_format(schema), "end": "}"} for name, schema in calls]
+        message = {"type": "tags_with_separator", "tags": tags, "separator": "; ",
+                   "at_least_one": True, "stop_after_first": not parallel}
+        return {"type": "or", "elements": [answer or _FREE, message]}

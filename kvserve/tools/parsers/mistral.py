@@ -4,8 +4,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
-from kvserve.tools.parsers.base import ParsedCall, ToolParser, call_from_object, decode_json_values
+from kvserve.tools.parsers.base import (
+    MAX_CALL_BLANKS,
+    CallSchema,
+    ParsedCall,
+    ToolParser,
+    arguments_format,
+    call_from_object,
+    decode_json_values,
+)
 
 _CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -14,6 +24,13 @@ class MistralParser(ToolParser):
     name = "mistral"
     markers = (_CALLS,)
     needs_special_tokens = True
+    spelled = (_CALLS, _ARGS)
+
+    def __init__(self, args_format: bool = False, tokens: Mapping[str, int] | None = None) -> None:
+        super().__init__(tokens)
+        # which format the model writes (and a constrained call takes): `name[ARGS]{...}`
+        # (templates that render [ARGS]) or a JSON list of calls
+        self.args_format = args_format
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         i = text.find(_CALLS)
@@ -45,3 +62,34 @@ class MistralParser(ToolParser):
                 return []
             calls.extend(found)  # type: ignore[arg-type]
         return calls
+
+    def constrained(self, calls: list[CallSchema], parallel: bool,
+                    answer: dict[str, Any] | None) -> dict[str, Any]:
+        start = self.marker(_CALLS)
+        if self.args_format:
+            one = {"type": "or", "elements": [
+                {"type": "sequence", "elements": [{"type": "const_string", "value": name},
+                                                  self.marker(_ARGS), arguments_format(schema)]}
+                for name, schema in calls]}
+            rest: list[dict[str, Any]] = [one]
+            if parallel:
+                rest.append({"type": "star", "content": {"type": "sequence",
+                                                         "elements": [start, one]}})
+        else:
+            items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                      "required": ["name", "arguments"]} for name, schema in calls]
+            listed: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            if not parallel:
+                listed["maxItems"] = 1
+            # v0.3's template writes "[TOOL_CALLS] [": the model may put a blank first
+            rest = [{"type": "regex", "pattern": " ?"},
+                    {"type": "json_schema", "json_schema": listed,
+                     "max_whitespace_cnt": MAX_CALL_BLANKS}]
+        after = {"type": "sequence", "elements": rest}
+        if answer is None:
+            # free text until the marker (its token, or its text in plain tokens), then the
+            # calls, which end the message: text after them would make them content again
+            return {"type": "dispatch", "rules": [[_CALLS, after]], "loop": False}
+        return {"type": "or", "elements": [answer, {"type": "sequence",
+                                                     "elements": [start, after]}]}
