@@ -212,6 +212,18 @@ class ServeConfig(BaseModel):
         """Whether both APIs serve TLS."""
         return bool(self.ssl_certfile)
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _one_model(cls, v: Any) -> Any:
+        # `--model` given more than once, or a list in a config: one base model per service
+        if isinstance(v, (list, tuple)):
+            if len(v) > 1:
+                raise ValueError(
+                    f"{len(v)} base models given ({', '.join(map(str, v))}); a service serves "
+                    "one base model (with its LoRA adapters): deploy one service per base model")
+            v = v[0] if v else None
+        return v
+
     @field_validator("engine")
     @classmethod
     def _check_engine(cls, v: dict[str, Any]) -> dict[str, Any]:

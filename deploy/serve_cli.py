@@ -454,7 +454,9 @@ def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
     from kvserve.models import MODEL_HELP
 
-    s.add_argument("--model", default=None, help=MODEL_HELP)
+    # appended so a second --model is refused (ServeConfig), never silently the last one
+    s.add_argument("--model", action="append", default=None,
+                   help=f"{MODEL_HELP}; one per service")
     s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "

@@ -167,6 +167,24 @@ def test_lora_flags_reach_the_engine_and_bad_ones_are_one_line():
             config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "0", *argv]))
 
 
+def test_one_base_model_per_service_and_a_second_is_refused():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import config_from_args
+    from kvserve.errors import ConfigError
+
+    one = config_from_args(build_parser().parse_args(["serve", "--model", "org/a"]))
+    assert one.model == "org/a" and one.engine_config().model == "org/a"
+    assert config_from_args(build_parser().parse_args(["serve"])).model is None
+    # a second --model is an error, never silently the last one
+    with pytest.raises(ConfigError, match="one service per base model"):
+        config_from_args(build_parser().parse_args(
+            ["serve", "--model", "org/a", "--model", "org/b"]))
+    with pytest.raises(ValueError, match="2 base models given"):
+        ServeConfig(model=["org/a", "org/b"])
+    assert ServeConfig(model=["org/a"]).model == "org/a"
+
+
 def test_tensor_parallel_size_reaches_the_engine_and_the_gpus_add_up():
     from kvserve.cli import build_parser
     from kvserve.deploy.serve_cli import config_from_args
