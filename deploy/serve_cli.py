@@ -309,6 +309,24 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     if cfg.tensor_parallel_size > 1:
         check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
     context_limit(model_config, cfg.engine_config())
+    _check_adapters(cfg, model_config)
+
+
+def _check_adapters(cfg: ServeConfig, model_config: Any) -> None:
+    """A bad --lora adapter in a directory this machine has (another base model's, a rank
+    above --max-lora-rank, corrupt files) fails here in one line, before Ray starts; one
+    only the workers' nodes have, or a Hub id, the workers check as they start."""
+    from kvserve.errors import AdapterError
+    from kvserve.workers.loading.lora import load_adapter
+
+    for name, source in cfg.loras.items():
+        local = os.path.expanduser(source)
+        if not os.path.isdir(local):
+            continue
+        try:
+            load_adapter(local, model_config, cfg.max_lora_rank)
+        except AdapterError as e:
+            raise AdapterError(f"--lora {name}={source}: {e}") from None
 
 
 def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:

@@ -167,6 +167,22 @@ def test_lora_flags_reach_the_engine_and_bad_ones_are_one_line():
             config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "0", *argv]))
 
 
+def test_a_bad_lora_adapter_is_refused_before_ray_starts(tmp_path):
+    from lora_adapters import smollm2_adapter
+
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import _resolve_tokenizer
+    from kvserve.errors import AdapterError
+
+    good = smollm2_adapter(str(tmp_path / "good"), 4, seed=1, targets=["q_proj"])
+    big = smollm2_adapter(str(tmp_path / "big"), 16, seed=2, targets=["q_proj"])
+    _resolve_tokenizer(ServeConfig(loras={"good": good}, max_lora_rank=8))
+    with pytest.raises(AdapterError, match="--lora big=.*rank 16 .* above max_lora_rank 8"):
+        _resolve_tokenizer(ServeConfig(loras={"good": good, "big": big}, max_lora_rank=8))
+    # a path this machine lacks is left to the workers (it may be on their nodes)
+    _resolve_tokenizer(ServeConfig(loras={"far": "/on/the/workers/only"}))
+
+
 def test_one_base_model_per_service_and_a_second_is_refused():
     from kvserve.cli import build_parser
     from kvserve.deploy.config import ServeConfig
