@@ -101,6 +101,15 @@ class LoraRegistry:
     def listing(self) -> list[dict[str, Any]]:
         return [dict(d) for d in self.known.values()]
 
+    @staticmethod
+    def holders(views: list[WorkerView], name: str) -> list[WorkerView]:
+        """The workers of `views` that have adapter `name` loaded, as their last poll (or a
+        load) said: a worker restarted or added gets the adapters loaded at run time only
+        after a poll, and a request naming one goes to the others meanwhile rather than to
+        a worker that would answer NOT_FOUND. All of `views` when none has it."""
+        have = [v for v in views if name in v.loras]
+        return have or views
+
     def check(self, v: WorkerView) -> None:
         """After a poll of `v`: bring its adapters in line with the registry (background).
         Not before the registry knows the configuration's adapters (a router restarted and

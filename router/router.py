@@ -315,6 +315,8 @@ class RouterActor:
             return {"error": "not_found", "message": f"no LoRA adapter named {lora!r} is loaded"}
         if not alive:
             return {"error": "unavailable", "message": "no worker is available to take the request"}
+        if lora is not None:
+            alive = self.loras.holders(alive, lora)
         room = [v for v in alive if v.inflight < self.cfg.max_inflight_per_worker]
         if not room:
             return {"error": "overloaded",

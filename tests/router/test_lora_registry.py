@@ -111,3 +111,13 @@ def test_a_restarted_worker_gets_its_adapters_back_after_a_poll():
         assert not reg._syncing
 
     asyncio.run(run())
+
+    # until a worker's poll shows the adapter back, requests naming it go to the others
+    def idx(vs: list[WorkerView]) -> list[int]:
+        return [v.idx for v in vs]
+
+    assert idx(reg.holders(views, "sql")) == [0, 1]
+    views[1].loras = set()
+    assert idx(reg.holders(views, "sql")) == [0]
+    views[0].loras = set()
+    assert idx(reg.holders(views, "sql")) == [0, 1]  # none has it: not narrowed
