@@ -52,6 +52,9 @@ def test_shrink_expand_per_row_adapters(dtype, k, n) -> None:
     assert torch.equal(out.cpu()[base_rows], base.to(dtype)[base_rows])  # untouched
 
 
+# the whole engine under the Triton interpreter takes tens of seconds on the CPU: the slow
+# tier (the kernels themselves are checked above, in the default tier)
+@pytest.mark.slow
 def test_engine_on_the_kernel_path_gives_the_torch_paths_tokens(tmp_path_factory) -> None:
     from lora_adapters import make_adapter
     from tiny_models import tiny_model_path
