@@ -199,3 +199,16 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
         ref = _decode(_runner(loaded, False, quantized_decode=False), prompts, 3)
         for g, r in zip(got, ref, strict=True):
             assert ((g - r).norm(dim=-1) <= 0.05 * r.norm(dim=-1)).all()
+
+
+def test_lora_engine_decodes_op_by_op(lib, smol) -> None:
+    """The one-call step reads the base weights' blocks only: with LoRA adapters possible,
+    decode steps run op by op (through the adapted linears), and the runtime says so."""
+    r = ModelRunner(smol, EngineConfig(kv_cache_tokens=1024, enable_prefix_caching=False,
+                                       host_cache_gib=0, enable_lora=True))
+    assert r.runtime["decode_step"] == "op by op: LoRA adapters run op by op", r.runtime
+    prompts = _prompts(2, torch.Generator().manual_seed(5))
+    got = _decode(r, prompts, 2)  # no adapter requested: the base model's logits
+    ref = _decode(_runner(smol, True), prompts, 2)
+    for g, w in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)

@@ -142,6 +142,10 @@ class ModelRunner(StepForward):
         self.lora: LoRASlots | None = None
         if config.lora_enabled:
             self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank)
+            step = getattr(self.model, "cpu_step", None)
+            if step is not None and step.why_not is None:
+                # the one-call step reads the base weights' blocks and would skip the adapters
+                step.why_not = "LoRA adapters run op by op"
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
         window, width = table_geometry(cfg, config)
