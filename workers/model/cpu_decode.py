@@ -5,7 +5,7 @@ Run op by op, a small model's decode step is mostly Python dispatch and OpenMP w
 norm and the LM head in one parallel region. It takes steps in which every stream decodes
 one token, on float32 CPU models whose linears all read GGUF blocks, with RMSNorm, a gated
 SiLU or tanh-GELU MLP and rotate-half RoPE (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3);
-anything else (prefill chunks, MoE layers, tensor-parallel ranks, other weight types)
+anything else (prefill chunks, MoE layers, tensor-parallel ranks, LoRA, other weight types)
 runs the layers op by op, with the same matmul kernels.
 """
 
