@@ -78,7 +78,7 @@ def test_default_model_step_is_op_by_op_bit_for_bit(lib, smol, streams: int, mod
 def test_int8_step_is_close_to_float32(lib, smol) -> None:
     """8-bit activations move the logits by their rounding, far less than a broken step."""
     prompts = _prompts(5, torch.Generator().manual_seed(5))
-    got = _decode(_runner(smol, True), prompts, 3)
+    got = _decode(_runner(smol, True, cpu_matmul="int8"), prompts, 3)
     ref = _decode(_runner(smol, False, quantized_decode=False), prompts, 3)
     for g, r in zip(got, ref, strict=True):
         assert ((g - r).norm(dim=-1) <= 0.1 * r.norm(dim=-1)).all()
@@ -92,18 +92,18 @@ def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
     target = {"t": torch.randint(100, 40000, (20,), generator=g).tolist()}
     others = _prompts(8, g)
     forced = [[(31 * i + 7 * j) % 30000 + 100 for j in range(9)] for i in range(4)]
-    alone = _decode(_runner(smol, True), target, 4, forced)
-    packed = _decode(_runner(smol, True), {**target, **others}, 4, forced)
+    alone = _decode(_runner(smol, True, cpu_matmul="int8"), target, 4, forced)
+    packed = _decode(_runner(smol, True, cpu_matmul="int8"), {**target, **others}, 4, forced)
     torch.set_num_threads(1)
     try:
-        one_thread = _decode(_runner(smol, True), target, 4, forced)
+        one_thread = _decode(_runner(smol, True, cpu_matmul="int8"), target, 4, forced)
     finally:
         torch.set_num_threads(2)
     for a, p, o in zip(alone, packed, one_thread, strict=True):
         assert torch.equal(a[0], p[0])
         assert torch.equal(a[0], o[0])
     # a step that also holds a 40-token prompt chunk runs op by op
-    r = _runner(smol, True)
+    r = _runner(smol, True, cpu_matmul="int8")
     toks = list(target["t"])
     r.execute([StreamStep("t", toks, len(toks))])
     toks.append(forced[0][0])
@@ -195,7 +195,7 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
         assert q.qtype == qt.name and q.shape == (256, 512)
         assert torch.equal(loaded.weights[name], torch.from_numpy(dequantize(q.data.numpy(), qt)))
         prompts = _prompts(4, torch.Generator().manual_seed(4))
-        got = _decode(_runner(loaded, True), prompts, 3)
+        got = _decode(_runner(loaded, True, cpu_matmul="int8"), prompts, 3)
         ref = _decode(_runner(loaded, False, quantized_decode=False), prompts, 3)
         for g, r in zip(got, ref, strict=True):
             assert ((g - r).norm(dim=-1) <= 0.05 * r.norm(dim=-1)).all()
