@@ -144,6 +144,7 @@ def _stream_response(
         logprobs=_logprobs(svc, c["token_ids"], c.get("logprobs"), c.get("top_logprobs")),
         tool_calls=[pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
                                      arguments=d.arguments) for d in deltas],
+        prefill_worker_id=c.get("prefill_worker_id", c["worker_id"]),
     )
 
 
@@ -212,6 +213,7 @@ class GrpcFrontend:
             worker_id=r.worker_id, model=self.service.model_name,
             logprobs=_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs),
             tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
+            prefill_worker_id=r.prefill_worker_id or r.worker_id,
         )
 
     async def _stream(
@@ -292,6 +294,7 @@ class GrpcFrontend:
                 streams=[pb.StreamInfo(request_id=s["request_id"], state=s["state"],
                                        tokens=s["tokens"], kv_blocks=s["blocks"])
                          for s in w.get("streams", [])],
+                role=w.get("role", "mixed"),
             )
             for w in info["workers"]
         ]

@@ -113,7 +113,7 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
     ), f"Serve's proxies (HTTP {cfg.http_host}:{cfg.http_port}, gRPC :{cfg.grpc_port})", deadline)
     tls.check_running_serve(cfg)
     _until_ready(lambda: serve.run(build_app(cfg), name=APP_NAME, route_prefix="/"),
-                 f"the {APP_NAME} application (router, {cfg.num_workers} worker(s) loading the "
+                 f"the {APP_NAME} application (router, {_workers(cfg)} loading the "
                  "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
     scheme = "https" if cfg.tls else "http"
@@ -229,7 +229,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         with signals.interrupting():
             with signals.kept():
                 start_ray(cfg, ray_init, ray_host)
-            print(f"kvserve: deploying {cfg.model_name()} on {cfg.num_workers} worker(s) "
+            print(f"kvserve: deploying {cfg.model_name()} on {_workers(cfg)} "
                   "(the model loads) ...", flush=True)
             ep = _deploy_showing_states(cfg)
             _print_banner(cfg, ep)
@@ -392,7 +392,7 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
 
     ray_ep = ray_endpoints()
     context = _served_context(cfg)
-    print(f"kvserve: serving {cfg.model_name()} on {cfg.num_workers} worker(s)"
+    print(f"kvserve: serving {cfg.model_name()} on {_workers(cfg)}"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
     client_tls = ""
     if cfg.tls:  # (--ca too where a private CA signed the server's certificate)
@@ -409,6 +409,13 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
     if warning:
         print(f"  WARNING    {warning}")
     print("Ctrl-C to stop", flush=True)
+
+
+def _workers(cfg: ServeConfig) -> str:
+    """"2 worker(s)", or "1 prefill + 2 decode worker(s)"."""
+    if cfg.disaggregated:
+        return f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+    return f"{cfg.num_workers} worker(s)"
 
 
 def _served_context(cfg: ServeConfig) -> int | None:
@@ -465,7 +472,9 @@ def add_serve_parser(sub: Any) -> None:
     from kvserve.models import MODEL_HELP
 
     s.add_argument("--model", default=None, help=MODEL_HELP)
-    s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
+    s.add_argument("--workers", type=int, default=None,
+                   help="worker actors (one engine each; default 1, or none with "
+                        "--prefill-workers and --decode-workers)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
                         "default: the tensor-parallel size if CUDA else 0")
@@ -473,6 +482,30 @@ def add_serve_parser(sub: Any) -> None:
                    help="devices each worker spans, one rank per device on one node (the "
                         "model's heads, MLP and vocabulary split across them)")
     s.add_argument("--cpus-per-worker", type=float, default=1)
+    d = s.add_argument_group("disaggregated serving (prefill on one worker, decode on another)")
+    d.add_argument("--prefill-workers", type=int, default=0,
+                   help="workers that run prompts, send the first token and hand the streams "
+                        "to decode workers")
+    d.add_argument("--decode-workers", type=int, default=0,
+                   help="workers that decode the streams handed to them (and prefill short "
+                        "prompts themselves)")
+    d.add_argument("--prefill-gpus-per-worker", type=float, default=None,
+                   help="a prefill worker's GPUs (default: --gpus-per-worker, or its "
+                        "tensor-parallel size on a CUDA host)")
+    d.add_argument("--decode-gpus-per-worker", type=float, default=None,
+                   help="a decode worker's GPUs (default as for prefill workers)")
+    d.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="a prefill worker's tensor-parallel size (default "
+                        "--tensor-parallel-size)")
+    d.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="a decode worker's tensor-parallel size (default "
+                        "--tensor-parallel-size)")
+    d.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
+                   help="prompts shorter than this are prefilled on their decode worker "
+                        "(default 256, measured: docs/benchmarks.md)")
+    d.add_argument("--disagg-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="a hand-off that fails: recompute the stream on a decode worker "
+                        "(default), or fail the request")
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
                         "default: automatic on CPU workers, every step on GPU")
@@ -539,14 +572,20 @@ def config_from_args(a: Any) -> ServeConfig:
         "dtype": a.dtype, "block_size": a.block_size, "host_cache_gib": a.host_cache_gib,
         "host_restore_policy": a.host_restore_policy}.items() if v is not None}
     gpus = a.gpus_per_worker
+    role_gpus = {"prefill": a.prefill_gpus_per_worker, "decode": a.decode_gpus_per_worker}
     if gpus is None:
         import torch
 
-        gpus = a.tensor_parallel_size if torch.cuda.is_available() else 0
+        cuda = torch.cuda.is_available()
+        gpus = a.tensor_parallel_size if cuda else 0
+        for role, tp in (("prefill", a.prefill_tensor_parallel_size),
+                         ("decode", a.decode_tensor_parallel_size)):
+            if role_gpus[role] is None and tp is not None:  # one GPU per rank
+                role_gpus[role] = tp if cuda else 0
     from pydantic import ValidationError
 
     try:
-        return _serve_config(a, engine, gpus)
+        return _serve_config(a, engine, gpus, role_gpus)
     except ValidationError as e:  # one line, as the other start-up errors
         raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
 
@@ -557,9 +596,30 @@ def _error_line(err: Any) -> str:
     return f"{field}: {msg}" if field else msg
 
 
-def _serve_config(a: Any, engine: dict[str, Any], gpus: float) -> ServeConfig:
+def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
+                  role_gpus: dict[str, float | None]) -> ServeConfig:
+    roles: dict[str, Any] = {}
+    if a.prefill_workers or a.decode_workers:
+        roles = {"prefill_workers": a.prefill_workers, "decode_workers": a.decode_workers,
+                 "prefill_gpus_per_worker": role_gpus["prefill"],
+                 "decode_gpus_per_worker": role_gpus["decode"],
+                 "prefill_tensor_parallel_size": a.prefill_tensor_parallel_size,
+                 "decode_tensor_parallel_size": a.decode_tensor_parallel_size,
+                 "disagg_failure_policy": a.disagg_failure_policy}
+        if a.disagg_min_prompt_tokens is not None:
+            roles["disagg_min_prompt_tokens"] = a.disagg_min_prompt_tokens
+    else:
+        for flag in ("prefill_gpus_per_worker", "decode_gpus_per_worker",
+                     "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            if getattr(a, flag) is not None:
+                roles[flag] = getattr(a, flag)  # refused by the config, naming it
+        if a.disagg_min_prompt_tokens is not None or a.disagg_failure_policy != "recompute":
+            raise ConfigError("--disagg-min-prompt-tokens and --disagg-failure-policy need "
+                              "--prefill-workers and --decode-workers")
+    if a.workers is not None:
+        roles["num_workers"] = a.workers
     return ServeConfig(
-        model=a.model, num_workers=a.workers, num_gpus_per_worker=gpus,
+        **roles, num_gpus_per_worker=gpus, model=a.model,
         tensor_parallel_size=a.tensor_parallel_size,
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,

@@ -8,6 +8,7 @@ ingress streams from the chosen worker directly, so routing costs one small acto
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -18,10 +19,11 @@ from ray.exceptions import RayActorError
 
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
+from kvserve.router.disagg import Disagg, DisaggConfig, check_exchange, check_roles
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
-from kvserve.router.policy import RouteRequest, WorkerView, make_policy
+from kvserve.router.policy import Decision, RouteRequest, WorkerView, make_policy
 from kvserve.router.worker_state import WorkerState
 from kvserve.workers.worker_actor import create_worker
 
@@ -44,6 +46,8 @@ class RouterActor:
         self.deployed = RouterConfig(**router_config)
         self.digest = self.deployed.digest()
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
+        self.roles = [self.cfg.role_of(i) for i in range(self.cfg.num_workers)]
+        check_roles(self.roles)
         # created side by side: each call returns at once, the loads run in parallel
         self.handles = [self._start_worker(i) for i in range(self.cfg.num_workers)]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
@@ -51,7 +55,9 @@ class RouterActor:
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
         self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
-                                 self.sessions, MAX_SESSIONS, self.metrics.migration)
+                                 self.sessions, MAX_SESSIONS, self.metrics.migration, self.roles)
+        self.disagg = Disagg(DisaggConfig(**self.cfg.disagg), self.roles, self.handles,
+                             self.views, self.metrics.disagg)
         # a restarted router starts new workers: the ingress refetches handles when this changes
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
@@ -72,11 +78,13 @@ class RouterActor:
         while True:
             try:
                 return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
-                                     self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
+                                     self.cfg.num_cpus_per_worker, self.cfg.gpus_of(i),
                                      name=name, namespace=NAMESPACE,
                                      stream_interval_ms=self.cfg.stream_interval_ms,
                                      model_name=self.cfg.model_name,
-                                     reporter=_own_handle())  # start-up progress comes here
+                                     reporter=_own_handle(),  # start-up progress comes here
+                                     role=self.cfg.role_of(i),
+                                     handoff_lease_s=float(self.cfg.disagg.get("lease_s", 60.0)))
             except ValueError as e:
                 # the name is still held by the worker of a router that just died (this
                 # one's previous incarnation, or one replaced): Ray ends it, as its owner is gone
@@ -112,17 +120,32 @@ class RouterActor:
             v = self.views[i]
             v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
             self.states[i].ready(info.get("load_s", 0.0))
+            if "kv" in info:
+                self.disagg.kv[i] = info["kv"]
             answered.append(info)
         if not answered and self._info is None:
             raise next(e for e in infos if isinstance(e, BaseException))
+        self._check_exchange()
         if self._info is None:  # the context served is the shortest any worker holds
             self._info = {**answered[0],
                           "max_model_len": min(int(a["max_model_len"]) for a in answered)}
         self.mover.block_size = int(self._info.get("block_size", self.mover.block_size))
+        self.disagg.block_size = self.mover.block_size
         await self._poll_once()
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
         return self._info
+
+    def _check_exchange(self) -> None:
+        """Prefill and decode workers whose KV cannot be exchanged fail the start, the
+        reason shown as their start-up state (`kvserve serve` prints it)."""
+        why = check_exchange(self.disagg.kv, self.roles)
+        if why is None:
+            return
+        for i, r in enumerate(self.roles):
+            if r != "mixed":
+                self.states[i].report(self.states[i].incarnation, f"failed: {why}", 0.0)
+        raise ValueError(why)
 
     def config_digest(self) -> str:
         return self.digest
@@ -139,6 +162,9 @@ class RouterActor:
         new; the ingress picks up the new handles through the changed epoch). Returns the
         workers draining and started."""
         n = max(1, int(num_workers))
+        if any(r != "mixed" for r in self.roles):
+            raise ValueError("a deployment with prefill and decode workers is replaced, not "
+                             "resized in place")
         serving = self._serving()
         self.cfg.num_workers = self.deployed.num_workers = n  # new workers' thread share
         removed = serving[n:]
@@ -149,6 +175,7 @@ class RouterActor:
         for _ in range(n - len(serving)):
             i = len(self.handles)
             self.handles.append(self._start_worker(i))
+            self.roles.append("mixed")
             self.views.append(WorkerView(i, f"worker-{i}"))
             self.states.append(WorkerState())
             self.mover.add_worker(i)
@@ -175,11 +202,14 @@ class RouterActor:
     # ---- routing ----------------------------------------------------------------------------
     async def pick(
         self, block_hashes: list[int], session_id: str | None, exclude: list[int],
-        request_id: str = "",
+        request_id: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
     ) -> dict[str, Any]:
         """Choose a worker; {"idx", "worker_id", "slot_id", "reason", ...} or {"error", "message"}.
 
-        The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
+        The request counts against the worker under `slot_id` until `release(idx, slot_id)`.
+        With prefill and decode workers (router/disagg.py) `idx` is where the request starts
+        and `handoff_to` (when set) the decode worker its stream is handed to after its
+        first token, which has reserved room for it."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
         alive = [v for v in self.views if v.alive and v.idx not in exclude
@@ -192,7 +222,17 @@ class RouterActor:
                     "message": f"all {len(alive)} workers are at their limit of "
                                f"{self.cfg.max_inflight_per_worker} requests in flight; retry later"}
         sw = self.sessions.get(session_id) if session_id else None
-        d = self.policy.choose(room, RouteRequest(block_hashes, sw))
+        handoff_to: int | None = None
+        pinned: int | None = None
+        if self.disagg.active:
+            c = await self.disagg.choose(
+                room, self.policy, block_hashes, sw, request_id, prompt_tokens, max_tokens,
+                min(prompt_tokens + max(1, max_tokens), int((self._info or {}).get(
+                    "max_model_len", prompt_tokens + max_tokens))), self.cfg.max_imbalance)
+            d = Decision(c.idx, c.reason, c.matched_blocks)
+            handoff_to, pinned = c.handoff_to, c.session_idx
+        else:
+            d = self.policy.choose(room, RouteRequest(block_hashes, sw))
         v = self.views[d.idx]
         self.metrics.picked(d, v, block_hashes, retry=bool(exclude))
         slot_id = f"{request_id}@{uuid.uuid4().hex[:12]}"
@@ -204,14 +244,20 @@ class RouterActor:
         if session_id:
             if request_id:
                 self.mover.note_request(request_id, session_id)
-            self.mover.session_routed(session_id, sw, d.idx, block_hashes, exclude)
+            home = d.idx if pinned is None else pinned
+            if not self.disagg.active:
+                self.mover.session_routed(session_id, sw, home, block_hashes, exclude)
             self.mover.note_session(session_id, block_hashes)
-            self.sessions[session_id] = d.idx
+            self.sessions[session_id] = home
             self.sessions.move_to_end(session_id)
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        return {"idx": d.idx, "worker_id": v.worker_id, "slot_id": slot_id, "reason": d.reason,
-                "matched_blocks": d.matched_blocks, "epoch": self.epoch}
+        out = {"idx": d.idx, "worker_id": v.worker_id, "slot_id": slot_id, "reason": d.reason,
+               "matched_blocks": d.matched_blocks, "epoch": self.epoch}
+        if handoff_to is not None:
+            out.update(handoff_to=handoff_to,
+                       handoff_worker_id=self.views[handoff_to].worker_id)
+        return out
 
     def release(self, idx: int, slot_id: str) -> bool:
         """Stop counting a slot; a second release of it (or of one already reconciled away,
@@ -337,6 +383,7 @@ class RouterActor:
             self.states[v.idx].answered()
             self._update(v, load)
             self.mover.observe(v.idx, load, sent_at)
+            self.disagg.observe(v.idx, sent_at)
 
         await asyncio.gather(*(one(v) for v in self.views if v.idx not in self.mover.drained))
         self.metrics.workers_alive(self.views)
@@ -398,6 +445,45 @@ class RouterActor:
             cfg.park_threshold_s = float(park_threshold_s)
         return old
 
+    async def set_roles(self, roles: list[str]) -> list[str]:
+        """Give the workers these roles (mixed, prefill, decode) at run time: operators,
+        benches and tests compare disaggregated and mixed serving on the same workers. The
+        workers keep their engines; their KV must be exchangeable. Returns the old roles."""
+        roles = list(roles)
+        if len(roles) != len(self.views):
+            raise ValueError(f"{len(roles)} roles for {len(self.views)} workers")
+        check_roles(roles)
+        live = self._serving()
+        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live))
+        kv = {i: info["kv"] for i, info in zip(live, infos, strict=True)}
+        why = check_exchange(kv, roles)
+        if why is not None:
+            raise ValueError(why)
+        await asyncio.gather(*(self.handles[i].set_role.remote(roles[i]) for i in live))
+        self.disagg.kv.update(kv)
+        old = list(self.roles)
+        self.roles[:] = roles  # (shared with the mover and the disaggregation, in place)
+        self.sessions.clear()  # pinned to workers whose roles changed
+        if self.disagg.active:
+            self.metrics.disagg.zero()
+        return old
+
+    def handoff_log(self) -> list[dict[str, Any]]:
+        """The latest hand-offs (up to router/disagg.py's HANDOFF_LOG): outcome, prompt
+        tokens, seconds and bytes of each (benches)."""
+        return list(self.disagg.log)
+
+    def set_disagg(self, **settings: Any) -> dict[str, Any]:
+        """Change DisaggConfig settings (min_prompt_tokens, local_prefix_share,
+        failure_policy, lease_s) at run time (benches, tests); returns the old ones."""
+        cfg = self.disagg.cfg
+        unknown = [k for k in settings if not hasattr(cfg, k)]
+        if unknown:
+            raise ValueError(f"no disaggregation setting {unknown[0]!r}")
+        old = {k: getattr(cfg, k) for k in settings}
+        self.disagg.cfg = DisaggConfig(**{**dataclasses.asdict(cfg), **settings})
+        return old
+
     def set_max_inflight_per_worker(self, n: int) -> int:
         """Change the overload limit at run time (operators, tests); returns the old one."""
         old, self.cfg.max_inflight_per_worker = self.cfg.max_inflight_per_worker, max(1, int(n))
@@ -426,9 +512,10 @@ class RouterActor:
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
                  "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s,
                  "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
-                 "runtime": v.runtime, "streams": v.streams}
+                 "runtime": v.runtime, "streams": v.streams, "role": self.roles[v.idx]}
                 for v in self.views
             ],
+            "disagg": self.disagg.info(),
         }
 
 
