@@ -289,8 +289,11 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
         return
     # a size the model cannot split, or a max_model_len the KV pool cannot hold: refused
     # before Ray starts
-    if cfg.tensor_parallel_size > 1:
-        check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
+    sizes = {cfg.role_tensor_parallel_size(r) for r in ("prefill", "decode")} \
+        if cfg.disaggregated else {cfg.tensor_parallel_size}
+    for tp in sorted(sizes):  # (each role's, with prefill and decode workers)
+        if tp > 1:
+            check_tensor_parallel(model_config, tp, cfg.model or path)
     context_limit(model_config, cfg.engine_config())
 
 

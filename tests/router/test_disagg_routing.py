@@ -248,3 +248,19 @@ def test_serve_flags_reach_the_config():
     assert c.decode_tensor_parallel_size == 2 and c.disagg_min_prompt_tokens == 128
     assert c.disagg_failure_policy == "fail"
     assert config_from_args(p.parse_args(["serve"])).num_workers == 1
+
+
+def test_serve_refuses_a_role_size_the_model_cannot_split_before_ray_starts(capsys):
+    import sys
+
+    from kvserve.cli import main
+
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    # the default model has 9 attention heads: 3 splits them, 2 does not
+    assert main(["serve", "--prefill-workers", "1", "--decode-workers", "1",
+                 "--prefill-tensor-parallel-size", "3", "--decode-tensor-parallel-size", "2",
+                 "--gpus-per-worker", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvserve: error: ") and "\n" not in err
+    assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in err
+    assert ray_was_up == ("ray" in sys.modules and sys.modules["ray"].is_initialized())

@@ -148,6 +148,24 @@ def test_a_request_its_first_token_ends_needs_no_handoff(pair):
     wait_clean(a, b)  # the decode worker's reservation was freed
 
 
+def test_a_wait_that_comes_after_the_request_ended_learns_it_at_once(pair):
+    """The router's wait may reach the prefill worker after a short request has ended
+    there (its first token ended it): the wait answers at once, not after its timeout."""
+    a, b = pair
+
+    async def run():
+        chunks = [c async for c in a.generate("late", ids(a), {**GREEDY, "max_tokens": 1},
+                                              None, True)]
+        t0 = time.monotonic()
+        got = await a.engine.handoff_wait("late", 30.0)
+        return chunks, got, time.monotonic() - t0
+
+    chunks, got, waited = asyncio.run(run())
+    assert chunks[-1]["finish_reason"] == "length"
+    assert got == {"finished": True} and waited < 5.0
+    wait_clean(a, b)
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_copy_is_recomputed_or_fails_the_request(pair, policy):
     """The decode worker's reservation is gone when the stream comes (its lease ran out):

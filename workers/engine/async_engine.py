@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from kvserve.workers.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_S = 60.0  # an imported stream nobody resumes by then is aborted
+HANDOFF_ENDED_KEPT = 4096  # hand-off requests whose end a late `handoff_wait` still learns
 
 
 class HandoffFailed(RuntimeError):
@@ -114,6 +116,9 @@ class AsyncLLMEngine:
         self._handoffs: dict[str, _Handoff] = {}  # prefilled here for another worker
         # answers owed to `handoff_wait` callers, by request id (the request may not be here yet)
         self._handoff_waits: dict[str, list[asyncio.Future]] = {}
+        # how the latest hand-off requests ended without a hand-off (finished at their first
+        # token, aborted, refused): a wait that comes after that learns it at once
+        self._handoff_ended: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # every stream's state, tokens and blocks, rebuilt after a step once asked for
         self._view: list[dict[str, Any]] = []
         self._want_view = True
@@ -448,6 +453,7 @@ class AsyncLLMEngine:
                 continue
             self._streams[seq.request_id] = st
             if seq.handoff:
+                self._handoff_ended.pop(seq.request_id, None)
                 self._handoffs[seq.request_id] = _Handoff(
                     getattr(seq, "handoff_lease_s", LEASE_S))
         # after the adds: a request cancelled right after it was queued is dropped here
@@ -699,6 +705,8 @@ class AsyncLLMEngine:
         src = self._live_out.get(rid)
         if h is not None and h.held_at and src is not None and src.frozen is not None:
             fut.set_result({"held": True, "tokens": src.frozen.num_computed})
+        elif h is None and rid in self._handoff_ended:  # it ended before this wait came
+            fut.set_result(self._handoff_ended[rid])
         elif h is None and rid in self._streams:  # here, but not for a hand-off
             fut.set_result({"gone": f"request {rid!r} is not a hand-off request here"})
         else:  # prefilling, or not arrived yet
@@ -713,6 +721,11 @@ class AsyncLLMEngine:
             self._handoff_waits.pop(rid, None)
 
     def _resolve_waits(self, rid: str, answer: dict[str, Any]) -> None:
+        if not answer.get("held"):
+            self._handoff_ended[rid] = answer
+            self._handoff_ended.move_to_end(rid)
+            while len(self._handoff_ended) > HANDOFF_ENDED_KEPT:
+                self._handoff_ended.popitem(last=False)
         for fut in self._handoff_waits.pop(rid, []):
             try:
                 fut.get_loop().call_soon_threadsafe(_settle, fut, answer)
