@@ -26,6 +26,10 @@ step thread, between steps):
 
 A stream that finishes, is aborted, or is parked by the source's scheduler during the rounds
 ends the move (the router may fall back to a stop-and-copy move for a parked one).
+
+A hand-off after prefill (disaggregated serving, router/handoff.py) is the final stage alone:
+the target reserves before the prompt runs, the source holds the stream once its first token
+is out (`Source.hold`) and `freeze` sends all of it.
 """
 
 from __future__ import annotations
