@@ -42,6 +42,14 @@ class ServeConfig(BaseModel):
     num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
     tensor_parallel_size: int = Field(
         1, ge=1, description="devices each worker spans (one rank per device, on one node)")
+    wait_for_all_workers: bool = Field(
+        False, description="serve only once every worker is ready; by default the service "
+                           "serves once one is, while workers wait for resources (a node the "
+                           "autoscaler adds)")
+    placement_timeout_s: float = Field(
+        900.0, gt=0, description="a worker that Ray has not placed this long after its start "
+                                 "(no node with its resources free) is stopped and reported "
+                                 "failed, with what it waited for")
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
@@ -319,7 +327,7 @@ class ServeConfig(BaseModel):
             stream_interval_ms=self.stream_interval_ms, routing_policy=self.routing_policy,
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
             load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
-            slot_grace_s=self.slot_grace_s,
+            slot_grace_s=self.slot_grace_s, placement_timeout_s=self.placement_timeout_s,
             migration={"enabled": self.migration,
                        "park_threshold_s": self.migration_park_threshold_s,
                        "max_inflight": self.migration_max_inflight,

@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.deploy import tls
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
 from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.placement import PlacementError, check_placement
 from kvserve.deploy.ray_start import init_ray
 from kvserve.deploy.ray_tuning import apply_cpu_host_defaults
 from kvserve.deploy.serve_stop import (
@@ -26,6 +27,7 @@ from kvserve.deploy.serve_stop import (
     end_own_processes,
     stop_service,
 )
+from kvserve.deploy.startup_states import StartupStates
 from kvserve.errors import ConfigError, KVServeError, StartupError
 
 
@@ -75,23 +77,29 @@ def deploy(
     """Start a local Ray if none is running, start Serve on the configured ports, deploy.
 
     A Ray started here listens on `ray_host` only (loopback by default); `ray_init` entries
-    win over that. A Ray that is already running keeps its own settings."""
-    start_ray(cfg, ray_init, ray_host)
+    win over that. A Ray that is already running keeps its own settings. Workers that the
+    nodes can never hold fail first (PlacementError, deploy/placement.py)."""
+    own = start_ray(cfg, ray_init, ray_host)
+    check_placement(cfg, own_ray=own)
     return deploy_app(cfg, start_timeout_s)
 
 
 def start_ray(cfg: ServeConfig, ray_init: dict[str, Any] | None = None,
-              ray_host: str = LOOPBACK) -> None:
+              ray_host: str = LOOPBACK) -> bool:
     """Connect to the running Ray (this process's, $RAY_ADDRESS or one `ray start` began on
-    this machine), or start a local one."""
+    this machine), or start a local one. Returns whether it started one (a local Ray, which
+    cannot add nodes)."""
     if not _ray_running():
         keep_ray_local(ray_host)
     import ray
 
-    if not ray.is_initialized():
-        if cfg.num_gpus_per_worker == 0:
-            apply_cpu_host_defaults()
-        init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+    if ray.is_initialized():
+        return False
+    own = not _joining() and (ray_init or {}).get("address") in (None, "local")
+    if cfg.num_gpus_per_worker == 0:
+        apply_cpu_host_defaults()
+    init_ray({**local_ray_init(ray_host), **(ray_init or {})})
+    return own
 
 
 def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoints:
@@ -225,16 +233,23 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
           flush=True)
     ray_init = {} if joining else {"include_dashboard": True, "dashboard_port": dashboard_port
                                    or _free_port(), "_metrics_export_port": metrics_port or None}
+    shown: StartupStates | None = None
     try:
         with signals.interrupting():
             with signals.kept():
-                start_ray(cfg, ray_init, ray_host)
+                own = start_ray(cfg, ray_init, ray_host)
+            check_placement(cfg, own_ray=own)  # before any model loads
             print(f"kvserve: deploying {cfg.model_name()} on {_workers(cfg)} "
                   "(the model loads) ...", flush=True)
-            ep = _deploy_showing_states(cfg)
-            _print_banner(cfg, ep)
+            ep, shown = _deploy_showing_states(cfg)
+            _print_banner(cfg, ep, shown.not_ready())
+            shown.keep_showing()  # the workers still waiting: their progress, then ready
     except KeyboardInterrupt:  # a signal during the start: stop what started
         pass
+    except PlacementError as e:  # nothing deployed yet: only Ray to stop (or leave)
+        print(f"kvserve: error: {e}", flush=True)
+        _stop_ray(ports)
+        _exit_now(2)
     except KVServeError as e:  # a worker that failed to start says why, in one line
         print(f"kvserve: {e}; stopping what started", flush=True)
         _stop(cfg, signals)
@@ -245,6 +260,8 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
         _stop(cfg, signals)
         _exit_now(1)
     signals.stop.wait()  # a signal's handler sets it (the wait wakes for the handler)
+    if shown is not None:
+        shown.stop()
     name = signal.Signals(signals.signum).name if signals.signum else "a signal"
     print(f"kvserve: {name}: shutting down (requests in flight get {cfg.shutdown_grace_s:g} s)",
           flush=True)
@@ -297,12 +314,13 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     context_limit(model_config, cfg.engine_config())
 
 
-def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
-    """deploy_app, printing each worker's start-up state as it changes."""
+def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:
+    """deploy_app, printing each worker's start-up state as it changes. Returns the states
+    as the app came up (it may serve while workers still wait for resources)."""
     shown = StartupStates(cfg.router_name)
     shown.start()
     try:
-        return deploy_app(cfg)
+        ep = deploy_app(cfg)
     except RuntimeError:  # Serve's "deploying failed" says less than the worker that failed
         failed = shown.failed()
         if not failed:
@@ -310,58 +328,9 @@ def _deploy_showing_states(cfg: ServeConfig) -> Endpoints:
         raise StartupError(f"the app did not start: {failed}") from None
     finally:
         shown.stop()
-
-
-class StartupStates:
-    """Prints each worker's start-up state when it changes (downloading the model with its
-    bytes, loading, capturing graphs), read from the router while the app deploys."""
-
-    PERIOD_S = 2.0
-
-    def __init__(self, router_name: str) -> None:
-        self.router_name = router_name
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="startup-states", daemon=True)
-        self._shown: dict[str, str] = {}
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def failed(self) -> str | None:
-        """'worker-i: failed: why' of a worker whose start-up failed, if any (asks once more)."""
-        try:
-            self.poll(quiet=True)
-        except Exception:
-            pass
-        return next((f"{w}: {s}" for w, s in self._shown.items() if s.startswith("failed: ")),
-                    None)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            try:
-                self.poll()
-            except Exception as e:  # not up yet, or restarting: the next poll tries again
-                log.debug("reading the workers' start-up states failed: %s", e)
-
-    def poll(self, quiet: bool = False) -> None:
-        import ray
-
-        from kvserve.router.lifecycle import find_router
-
-        if not ray.is_initialized():
-            return
-        router = find_router(self.router_name)
-        if router is None:
-            return
-        for w in ray.get(router.server_info.remote(), timeout=10)["workers"]:
-            state = w["state"]
-            if self._shown.get(w["worker_id"]) != state and state != "ready" and not quiet:
-                print(f"kvserve: {w['worker_id']}: {state}", flush=True)
-            self._shown[w["worker_id"]] = state
+    with contextlib.suppress(Exception):
+        shown.poll(quiet=True)  # as the app came up (the last poll may be 2 s old)
+    return ep, shown
 
 
 def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
@@ -377,6 +346,17 @@ def _stop(cfg: ServeConfig, signals: StopSignals) -> None:
     stop_service(graceful, cfg.shutdown_grace_s, signals, [cfg.http_port, cfg.grpc_port])
 
 
+def _stop_ray(ports: list[int]) -> None:
+    """Stop the Ray this command started, before anything was deployed on it (Ray's own
+    shutdown: its processes end without a word to the console), or leave a joined one."""
+    import ray
+
+    t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    t.start()
+    t.join(30.0)
+    end_own_processes(ports, time.monotonic() + 10.0)
+
+
 def _exit_now(code: int) -> None:
     """Exit without the interpreter's teardown. Everything is stopped by now; what is left
     is freeing the heap (torch, Ray: seconds on a loaded machine), and Ray's exit handlers,
@@ -390,13 +370,19 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _print_banner(cfg: ServeConfig, ep: Endpoints) -> None:
+def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) -> None:
+    """Where everything is; the workers not serving yet (waiting for resources) with their
+    states."""
     from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
 
     ray_ep = ray_endpoints()
     context = _served_context(cfg)
-    print(f"kvserve: serving {cfg.model_name()} on {_workers(cfg)}"
+    n = cfg.total_workers
+    serving = f"{n - len(not_ready)} of {_workers(cfg)}" if not_ready else _workers(cfg)
+    print(f"kvserve: serving {cfg.model_name()} on {serving}"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
+    for worker, state in not_ready.items():
+        print(f"  {worker:<10} {state}")
     client_tls = ""
     if cfg.tls:  # (--ca too where a private CA signed the server's certificate)
         client_tls = " --tls --cert CERT.pem --key KEY.pem" if cfg.ssl_ca_certs else " --tls"
@@ -484,7 +470,15 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices each worker spans, one rank per device on one node (the "
                         "model's heads, MLP and vocabulary split across them)")
-    s.add_argument("--cpus-per-worker", type=float, default=1)
+    s.add_argument("--cpus-per-worker", type=float, default=1,
+                   help="Ray CPUs each worker reserves on its node (a fraction lets more "
+                        "workers share a node's CPUs)")
+    s.add_argument("--wait-for-all-workers", action="store_true",
+                   help="serve only once every worker is ready; by default it serves once one "
+                        "is while others wait for resources (a node the autoscaler adds)")
+    s.add_argument("--placement-timeout-s", type=float, default=900.0,
+                   help="a worker that Ray has not placed on a node this long after its start "
+                        "is stopped and reported failed, with what it waited for (default 900)")
     d = s.add_argument_group("disaggregated serving (prefill on one worker, decode on another)")
     d.add_argument("--prefill-workers", type=int, default=0,
                    help="workers that run prompts, send the first token and hand the streams "
@@ -630,4 +624,5 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
         shutdown_grace_s=a.shutdown_grace_s, ssl_certfile=a.ssl_certfile,
         ssl_keyfile=a.ssl_keyfile, ssl_ca_certs=a.ssl_ca_certs,
+        wait_for_all_workers=a.wait_for_all_workers, placement_timeout_s=a.placement_timeout_s,
     )

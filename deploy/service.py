@@ -23,6 +23,7 @@ from ray.exceptions import ObjectLostError, RayActorError
 from kvserve.deploy.auth import key_matches
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.placement import check_placement
 from kvserve.deploy.ray_endpoints import known_ray_endpoints
 from kvserve.deploy.slots import Leases, Slot, outside_request
 from kvserve.deploy.stream_relay import StreamRelay
@@ -80,6 +81,8 @@ class Service:
         self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         # the call format of the model's template (tool_choice auto)
         self.tool_parser = for_template(self.tokenizer.chat_template, marker_tokens(self.tokenizer))
+        if router is None:  # workers no node can ever hold fail here, not in a silent wait
+            check_placement(cfg)
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
@@ -97,7 +100,7 @@ class Service:
         self.stopping: str | None = None
 
     async def start(self) -> None:
-        info = await self.router.ready.remote()
+        info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
         await self._refresh_workers()
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
@@ -233,7 +236,7 @@ class Service:
             try:
                 if slot.epoch != self.epoch or slot.idx >= len(self.workers):
                     # the router was restarted with new workers, or started more
-                    await self.router.ready.remote()
+                    await self.router.ready.remote(self.cfg.wait_for_all_workers)
                     await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,

@@ -22,6 +22,8 @@ class RouterConfig:
     model_name: str = ""  # the served name (metrics tag); "" = the model file's stem
     # a slot the worker has not known for this long is dropped as stale (a lost release)
     slot_grace_s: float = 60.0
+    # a worker Ray has not placed this long after its start is stopped and reported failed
+    placement_timeout_s: float = 900.0
     migration: dict[str, Any] = field(default_factory=dict)  # a MigrationConfig as a dict
     # per worker index: EngineConfig fields that differ from `engine` (e.g. a smaller pool)
     engine_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)

@@ -8,6 +8,7 @@ ingress streams from the chosen worker directly, so routing costs one small acto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,15 +18,18 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from kvserve.errors import StartupError
 from kvserve.hardware import available_cores
 from kvserve.router.config import RouterConfig
 from kvserve.router.disagg import Disagg, DisaggConfig, check_exchange, check_roles
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
+from kvserve.router.placement import WAITING, PlacementWatch, Verdict
 from kvserve.router.policy import Decision, RouteRequest, WorkerView, make_policy
 from kvserve.router.worker_state import WorkerState
-from kvserve.workers.worker_actor import create_worker
+from kvserve.workers.placement import worker_bundle
+from kvserve.workers.worker_actor import create_worker, device_group_of, stop_worker
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,8 @@ RESIZE_DRAIN_TIMEOUT_S = 600.0  # a worker removed by a resize has this long to 
 PENDING_TTL_S = 5.0  # how long a just-routed prompt counts as held before a poll confirms it
 SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection only
 MAX_SESSIONS = 100_000
+PLACEMENT_CHECK_S = 1.0  # how often Ray is asked about workers it has not placed yet
+READY_CHECK_S = 0.5  # how often `ready` looks again at workers waiting for resources
 
 
 class RouterActor:
@@ -48,6 +54,11 @@ class RouterActor:
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
         self.roles = [self.cfg.role_of(i) for i in range(self.cfg.num_workers)]
         check_roles(self.roles)
+        # new workers Ray has not placed yet; those it never placed in time (stopped)
+        self.placement = PlacementWatch(self.cfg.placement_timeout_s)
+        self.never_placed: set[int] = set()
+        self._watcher: asyncio.Task | None = None
+        self._answers: dict[int, asyncio.Future] = {}  # first `info` calls under way
         # created side by side: each call returns at once, the loads run in parallel
         self.handles = [self._start_worker(i) for i in range(self.cfg.num_workers)]
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
@@ -77,14 +88,17 @@ class RouterActor:
         deadline = time.monotonic() + WORKER_NAME_WAIT_S
         while True:
             try:
-                return create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
-                                     self.cfg.num_cpus_per_worker, self.cfg.gpus_of(i),
-                                     name=name, namespace=NAMESPACE,
-                                     stream_interval_ms=self.cfg.stream_interval_ms,
-                                     model_name=self.cfg.model_name,
-                                     reporter=_own_handle(),  # start-up progress comes here
-                                     role=self.cfg.role_of(i),
-                                     handoff_lease_s=float(self.cfg.disagg.get("lease_s", 60.0)))
+                handle = create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
+                                       self.cfg.num_cpus_per_worker, self.cfg.gpus_of(i),
+                                       name=name, namespace=NAMESPACE,
+                                       stream_interval_ms=self.cfg.stream_interval_ms,
+                                       model_name=self.cfg.model_name,
+                                       reporter=_own_handle(),  # start-up progress comes here
+                                       role=self.cfg.role_of(i),
+                                       handoff_lease_s=float(self.cfg.disagg.get("lease_s", 60.0)))
+                self.placement.track(i, handle._actor_id.hex(), worker_bundle(
+                    self.cfg.num_cpus_per_worker, self.cfg.gpus_of(i)), device_group_of(handle))
+                return handle
             except ValueError as e:
                 # the name is still held by the worker of a router that just died (this
                 # one's previous incarnation, or one replaced): Ray ends it, as its owner is gone
@@ -99,32 +113,47 @@ class RouterActor:
         return [v.idx for v in self.views if v.idx not in gone]
 
     # ---- setup ------------------------------------------------------------------------------
-    async def ready(self) -> dict[str, Any]:
-        """Wait until every serving worker has loaded its model; start polling. Returns
+    async def ready(self, wait_for_all: bool = False) -> dict[str, Any]:
+        """Wait until the serving workers have loaded their model; start polling. Returns
         model info. (A draining worker may stop meanwhile: it is not waited for.)
 
         A worker being restarted is not waited for: Ray fails calls to it at once, and it
         may wait for a node with room for a long time (its node was lost); the polls
-        notice it back. A worker that is starting for the first time is waited for."""
+        notice it back. A worker that is starting for the first time is waited for, unless
+        it waits for resources (no node has room for it yet, router/placement.py) and
+        another worker is ready: it joins once placed and loaded. `wait_for_all` waits for
+        every worker, and fails if one could not be placed in time."""
+        self._watch_placement()
         live = self._serving()
-        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live),
-                                     return_exceptions=True)
-        answered = []
-        for i, info in zip(live, infos, strict=True):
-            if isinstance(info, BaseException):
-                if not isinstance(info, RayActorError):
-                    raise info
-                self.views[i].alive = False
-                self.states[i].lost()
+        calls = {i: self._answer(i) for i in live}
+        while True:
+            failed = [i for i in live if i in self.never_placed]
+            if wait_for_all and failed:
+                raise StartupError(_states_text(self.views, self.states, failed))
+            unanswered = [f for f in calls.values() if not f.done()]
+            if not unanswered:
+                break
+            if not wait_for_all and any(_answered(f) for f in calls.values()) and all(
+                    self._unplaced(i) for i, f in calls.items() if not f.done()):
+                break
+            await asyncio.wait(unanswered, timeout=READY_CHECK_S)
+        answered, errors = [], []
+        for i, f in calls.items():
+            if not f.done():  # waits for resources: recorded when it answers (_late_answer)
                 continue
-            v = self.views[i]
-            v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
-            self.states[i].ready(info.get("load_s", 0.0))
-            if "kv" in info:
-                self.disagg.kv[i] = info["kv"]
-            answered.append(info)
+            info = self._record(i, f.result())
+            if info is None:
+                errors.append(f.result())
+            else:
+                answered.append(info)
         if not answered and self._info is None:
-            raise next(e for e in infos if isinstance(e, BaseException))
+            failed = [i for i in live if i in self.never_placed]
+            if failed:
+                raise StartupError("no worker started: "
+                                   + _states_text(self.views, self.states, failed))
+            if not errors:
+                raise StartupError("no worker to wait for (every worker is draining)")
+            raise errors[0]
         self._check_exchange()
         if self._info is None:  # the context served is the shortest any worker holds
             self._info = {**answered[0],
@@ -146,6 +175,106 @@ class RouterActor:
             if r != "mixed":
                 self.states[i].report(self.states[i].incarnation, f"failed: {why}", 0.0)
         raise ValueError(why)
+
+    def _answer(self, i: int) -> asyncio.Future:
+        """Worker i's answer to `info` (it answers once loaded): its info, or the error.
+        One call at a time; whoever waits for it or not, the answer is recorded."""
+        f = self._answers.get(i)
+        if f is None or f.done():
+            async def call() -> Any:
+                try:
+                    return await self.handles[i].info.remote()
+                except Exception as e:
+                    return e
+
+            f = self._answers[i] = asyncio.ensure_future(call())
+            f.add_done_callback(lambda f, i=i: self._late_answer(i, f.result()))
+        return f
+
+    def _record(self, i: int, info: Any) -> dict[str, Any] | None:
+        """Worker i answered `info` (or failed to): alive and ready, or lost."""
+        v = self.views[i]
+        if isinstance(info, BaseException):
+            if not isinstance(info, RayActorError):
+                raise info
+            v.alive = False
+            self.states[i].lost()
+            return None
+        v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
+        self.states[i].ready(info.get("load_s", 0.0))
+        self.placement.forget(i)
+        if "kv" in info:
+            self.disagg.kv[i] = info["kv"]
+        return info
+
+    def _late_answer(self, i: int, info: Any) -> None:
+        """Record worker i's answer, also where nobody waits for it (a worker that waited
+        for resources, or the workers of a restarted router, whose `ready` nobody calls)."""
+        if i in self.mover.drained or i in self.never_placed:
+            return
+        was_alive = self.views[i].alive
+        try:
+            if self._record(i, info) is not None:
+                self._refuse_unexchangeable(i)
+                if not was_alive and self.views[i].alive:
+                    log.warning("router: %s is ready (node %s)", self.views[i].worker_id,
+                                info.get("node_id", "?"))
+        except Exception as e:
+            log.error("router: %s failed to start: %s", self.views[i].worker_id, e)
+        self.metrics.workers_alive(self.views)
+
+    def _refuse_unexchangeable(self, i: int) -> None:
+        """A prefill or decode worker that answered after the start (it waited for
+        resources) and whose KV the others cannot exchange takes no request."""
+        if self._info is None or self.roles[i] == "mixed":
+            return  # (during the start, `ready` checks all of them at once)
+        why = check_exchange(self.disagg.kv, self.roles)
+        if why is not None and f"worker-{i} " in why:
+            self.views[i].alive = False
+            self.states[i].report(self.states[i].incarnation, f"failed: {why}", 0.0)
+            log.error("router: %s refused: %s", self.views[i].worker_id, why)
+
+    def _unplaced(self, i: int) -> bool:
+        """Worker i waits for resources, or was never placed: `ready` need not wait for it."""
+        return i in self.never_placed or self.states[i].state.startswith(WAITING)
+
+    # ---- placement --------------------------------------------------------------------------
+    def _watch_placement(self) -> None:
+        """Watch the workers Ray has not placed yet (started with the first `ready` or
+        `pick`, and again after new workers started)."""
+        if self.placement.watching() and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._placement_loop())
+
+    async def _placement_loop(self) -> None:
+        while self.placement.watching():
+            try:
+                verdicts = await asyncio.to_thread(self.placement.check)
+            except Exception:
+                log.exception("router: asking Ray about the workers' placement failed")
+                verdicts = {}
+            for i, verdict in verdicts.items():
+                self._placement_verdict(i, verdict)
+            await asyncio.sleep(PLACEMENT_CHECK_S)
+
+    def _placement_verdict(self, i: int, verdict: Verdict) -> None:
+        state = self.states[i]
+        if i in self.mover.drained or not state.unreported():
+            return  # the worker reports its own progress once it runs: that wins
+        wid = self.views[i].worker_id
+        if verdict.kind == "placed":
+            if state.state != "starting":
+                log.warning("router: %s has been placed", wid)
+                state.state = "starting"
+        elif verdict.kind == "failed":
+            state.state = verdict.state
+            self.never_placed.add(i)
+            self.views[i].alive = False
+            log.error("router: %s %s; stopped it", wid, verdict.state)
+            stop_worker(self.handles[i])  # so that it takes no node later
+        elif verdict.state != state.state:
+            if verdict.kind == "waiting":
+                log.warning("router: %s is %s (no node has them free)", wid, verdict.state)
+            state.state = verdict.state
 
     def config_digest(self) -> str:
         return self.digest
@@ -182,6 +311,8 @@ class RouterActor:
             added.append(i)
         if added:
             self.epoch = uuid.uuid4().hex  # the ingress refetches the handles
+            with contextlib.suppress(RuntimeError):  # (no loop here: `ready` starts it)
+                self._watch_placement()
         self.digest = self.deployed.digest()
         log.warning("router: resized to %d workers (draining %s, started %s)", n, removed, added)
         return {"draining": removed, "started": added}
@@ -212,6 +343,7 @@ class RouterActor:
         first token, which has reserved room for it."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
+            self._watch_placement()
         alive = [v for v in self.views if v.alive and v.idx not in exclude
                  and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
         if not alive:
@@ -340,7 +472,7 @@ class RouterActor:
     def worker_state(self, worker_id: str, incarnation: str, state: str, load_s: float) -> None:
         """A worker's start-up progress ("loading", "capturing graphs 3/9", "ready")."""
         idx = int(worker_id.rsplit("-", 1)[1])
-        if 0 <= idx < len(self.states):
+        if 0 <= idx < len(self.states) and idx not in self.never_placed:
             self.states[idx].report(incarnation, state, load_s)
 
     def report_failure(self, idx: int) -> None:
@@ -385,7 +517,14 @@ class RouterActor:
             self.mover.observe(v.idx, load, sent_at)
             self.disagg.observe(v.idx, sent_at)
 
-        await asyncio.gather(*(one(v) for v in self.views if v.idx not in self.mover.drained))
+        # not those that never answered yet: a call to an actor Ray has not placed would
+        # wait in its queue (and pile up there); their first answer makes them alive
+        polled = [v for v in self.views
+                  if v.idx not in self.mover.drained and v.idx not in self.never_placed]
+        for v in polled:
+            if not v.incarnation:
+                self._answer(v.idx)
+        await asyncio.gather(*(one(v) for v in polled if v.incarnation))
         self.metrics.workers_alive(self.views)
 
     def _update(self, v: WorkerView, load: dict[str, Any]) -> None:
@@ -517,6 +656,14 @@ class RouterActor:
             ],
             "disagg": self.disagg.info(),
         }
+
+
+def _answered(f: asyncio.Future) -> bool:
+    return f.done() and not isinstance(f.result(), BaseException)
+
+
+def _states_text(views: list[WorkerView], states: list[WorkerState], idx: list[int]) -> str:
+    return "; ".join(f"{views[i].worker_id}: {states[i].state}" for i in idx)
 
 
 def worker_actor_name(router_name: str, idx: int) -> str:

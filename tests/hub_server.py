@@ -169,11 +169,13 @@ class FakeHub:
         if data is None:
             self._error(h, 404, "EntryNotFound", body, commit.sha)
             return
-        start = 0
+        start, end = 0, len(data) - 1
         rng = h.headers.get("Range")
         if rng:
-            start = int(re.match(r"bytes=(\d+)-", rng)[1])
-        part = data[start:]
+            m = re.match(r"bytes=(\d+)-(\d*)", rng)
+            start = int(m[1])
+            end = min(end, int(m[2])) if m[2] else end
+        part = data[start:end + 1]
         h.send_response(206 if rng else 200)
         h.send_header("X-Repo-Commit", commit.sha)
         if _is_lfs(name):
@@ -183,14 +185,14 @@ class FakeHub:
         else:
             h.send_header("ETag", f'"{_git_blob_id(data)}"')
         if rng:
-            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            h.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         h.send_header("Content-Length", str(len(part)))
         h.send_header("Accept-Ranges", "bytes")
         h.end_headers()
         if not body:
             return
         hold = self.holds.get(name)
-        if hold is not None and start < hold.at:
+        if hold is not None and start < hold.at <= end + 1:  # (a range short of it: no wait)
             h.wfile.write(part[: hold.at - start])
             h.wfile.flush()
             hold.reached.set()

@@ -36,6 +36,7 @@ from kvserve.workers.engine.live_move import LEASE_S
 from kvserve.workers.engine.migration import StreamMoved
 from kvserve.workers.engine.snapshot import model_geometry
 from kvserve.workers.metrics import RequestTracker, WorkerMetrics
+from kvserve.workers.placement import worker_bundle
 from kvserve.workers.stream_moves import StreamMoves
 from kvserve.workers.stream_pacing import StreamPacing
 from kvserve.workers.token_batches import Subscription, TokenBatches
@@ -517,12 +518,17 @@ def device_group(num_cpus: float, num_gpus: float, tensor_parallel_size: int,
     if num_gpus and num_gpus != tensor_parallel_size:
         raise ValueError(f"a worker with tensor_parallel_size {tensor_parallel_size} needs one "
                          f"GPU per rank: num_gpus {num_gpus:g}")
-    bundle = {k: float(v) for k, v in (("CPU", num_cpus), ("GPU", num_gpus)) if v > 0}
+    bundle = worker_bundle(num_cpus, num_gpus)
     if not bundle:
         raise ValueError("a tensor-parallel worker's placement group needs CPUs or GPUs to "
                          "reserve (num_cpus and num_gpus are both 0)")
     return placement_group([bundle], strategy="STRICT_PACK",
                            name=f"{name}-devices" if name else "")
+
+
+def device_group_of(handle: Any) -> Any:
+    """The placement group of a tensor-parallel worker this process created (else None)."""
+    return _DEVICE_GROUPS.get(handle._actor_id.hex())
 
 
 def stop_worker(handle: Any) -> None:

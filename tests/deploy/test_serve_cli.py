@@ -259,6 +259,6 @@ def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
         why = serve.status().applications["ports-mismatch"].deployments["KVServeIngress"].message
         assert re.search(r"http_port=\d+, but Serve's HTTP proxy listens on port \d+ "
                          r"\(http_options.port\)", why), why
-        assert "set the ports and host there" in why
+        assert "set the ports, host and TLS files there" in why
     finally:
         serve.delete("ports-mismatch")

@@ -8,6 +8,7 @@ import json
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -226,3 +227,44 @@ def test_admin_move_over_http_by_snapshot_and_its_errors(serve_app, stub):
     chunks = [first, *stream]
     assert [t for c in chunks for t in c.delta_token_ids] == list(ref.token_ids)
     assert chunks[-1].worker_id == f"worker-{1 - idx}"
+
+
+def test_many_live_moves_at_once_in_both_directions(serve_app, stub):
+    """Four streams, half on each worker, all moved to the other worker at once while the
+    engines are held: every client reads the unmoved tokens from the worker it moved to, and
+    afterwards no KV block, reservation or stream is left on either worker."""
+    md = serve_app.metadata
+    prompts = [f"{PROMPT} Part {i}." for i in range(4)]
+    refs = [stub.Generate(pb.GenerateRequest(prompt=p, sampling=_greedy()), metadata=md)
+            for p in prompts]
+    old = ray.get(serve_app.router.set_max_inflight_per_worker.remote(2))  # 2 per worker
+    try:
+        with serve_app.held() as workers:
+            streams = [stub.GenerateStream(pb.GenerateRequest(
+                prompt=p, sampling=_greedy(), request_id=f"many-{i}"), metadata=md)
+                for i, p in enumerate(prompts)]
+            where = {f"many-{i}": serve_app.worker_of(workers, f"many-{i}")[0] for i in range(4)}
+            assert sorted(where.values()) == [0, 0, 1, 1], where
+            for w in workers:
+                ray.get(w.step_engine.remote())  # every stream runs
+            firsts = [next(s) for s in streams]
+            with ThreadPoolExecutor(4) as ex:
+                answers = list(ex.map(lambda i: stub.MoveStream(pb.MoveStreamRequest(
+                    request_id=f"many-{i}", worker_id=f"worker-{1 - where[f'many-{i}']}"),
+                    metadata=md), range(4)))
+        assert all(a.method == "live" for a in answers)
+        for i, (s, first, ref) in enumerate(zip(streams, firsts, refs, strict=True)):
+            chunks = [first, *s]
+            assert [t for c in chunks for t in c.delta_token_ids] == list(ref.token_ids), i
+            assert chunks[-1].worker_id == f"worker-{1 - where[f'many-{i}']}"
+    finally:
+        ray.get(serve_app.router.set_max_inflight_per_worker.remote(old))
+    deadline = time.monotonic() + 60
+    while True:  # nothing left behind on either worker
+        loads = [ray.get(w.load.remote()) for w in serve_app.workers()]
+        left = [(ld["stats"]["kv_blocks_used"], ld["stats"]["kv_blocks_reserved"], ld["streams"])
+                for ld in loads]
+        if all(x == (0, 0, 0) for x in left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(x == (0, 0, 0) for x in left), left

@@ -412,6 +412,7 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.pool.num_used,
             "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_reserved": sum(len(b) for b in self.kv.reserved.values()),  # live moves
             "kv_blocks_dropped": self.kv.blocks_dropped,  # released by sliding windows
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate(),
             "generation_tokens_per_s": self.generated_tokens / elapsed,
