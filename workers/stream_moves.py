@@ -144,6 +144,9 @@ class StreamMoves:
         got = await self.engine.handoff_wait(request_id, wait_s)
         if not got.get("held"):
             return got, None
+        frozen = self.engine.take_frozen(request_id)  # read as it was held
+        if frozen is not None:
+            return frozen
         t0 = time.perf_counter()
         meta, data = await _answer2(self.engine.live_freeze(request_id))
         meta["freeze_s"] = time.perf_counter() - t0

@@ -461,8 +461,8 @@ def _bench(a: argparse.Namespace) -> int:
                 return build_requests(a, tok, a.seed + (i + 1) * SEED_STEP, a.num_prompts,
                                       a.random_output_len)
 
-            def sweep(n: int) -> list[BenchRequest]:
-                return random_dataset(tok, SWEEP_REPEATS, n, 8, 0.0, a.seed + 7 * n)
+            def sweep(n: int, k: int) -> list[BenchRequest]:
+                return random_dataset(tok, SWEEP_REPEATS, n, 8, 0.0, a.seed + 7 * n + 100_003 * k)
 
             split = compare_disagg(a, service, lambda: _client(a, host, port), fresh, warmups,
                                    bench_one, record, sweep if a.handoff_sweep else None)

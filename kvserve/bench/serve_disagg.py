@@ -107,7 +107,8 @@ def _counts(router: Any) -> tuple[int, int]:
 def compare_disagg(
     a: argparse.Namespace, service: Any, make_client: Callable[[], Any],
     requests_for: Callable[[int], list[BenchRequest]], warmups: list[BenchRequest],
-    bench_one: Callable, record: Callable, sweep: Callable[[int], list[BenchRequest]] | None,
+    bench_one: Callable, record: Callable,
+    sweep: Callable[[int, int], list[BenchRequest]] | None,
 ) -> dict[str, Any]:
     """`a.disagg_rounds` mirrored rounds of a disaggregated and a mixed pass, then the
     hand-off sweep; records each pass and returns the passes (without per-request results),
@@ -148,13 +149,13 @@ def compare_disagg(
 
 
 def handoff_sweep(a: argparse.Namespace, router: Any, make_client: Callable[[], Any],
-                  prompts: Callable[[int], list[BenchRequest]], split: list[str],
+                  prompts: Callable[[int, int], list[BenchRequest]], split: list[str],
                   mixed: list[str]) -> list[dict[str, Any]]:
     """Prompts of each --handoff-sweep length, one at a time on an otherwise idle service:
     handed off (every prompt: min_prompt_tokens 0), then prefilled where they decode (mixed
-    workers). Per length: the hand-off's time and bytes, and the time to first token both
-    ways (the prefill itself, which a decode worker's streams wait for when it prefills
-    locally)."""
+    workers; other prompts of the same length). Per length: the hand-off's time and bytes,
+    and the time to first token both ways (the prefill itself, which a decode worker's
+    streams wait for when it prefills locally)."""
     import ray
 
     old = ray.get(router.set_disagg.remote(min_prompt_tokens=0))
@@ -162,7 +163,7 @@ def handoff_sweep(a: argparse.Namespace, router: Any, make_client: Callable[[], 
     try:
         for n in a.handoff_sweep:
             row: dict[str, Any] = {"prompt_tokens": n}
-            for mode, r in ((DISAGG, split), (MIXED, mixed)):
+            for k, (mode, r) in enumerate(((DISAGG, split), (MIXED, mixed))):
                 ray.get(router.set_roles.remote(r))
                 logged = len(ray.get(router.handoff_log.remote()))
 
@@ -174,7 +175,8 @@ def handoff_sweep(a: argparse.Namespace, router: Any, make_client: Callable[[], 
                     finally:
                         await c.close()
 
-                results = asyncio.run(one_by_one(prompts(n)))
+                # other prompts each way: the second must not find the first's in a prefix cache
+                results = asyncio.run(one_by_one(prompts(n, k)))
                 time.sleep(0.5)
                 ttft = [x.ttft * 1e3 for x in results if x.success]
                 row[f"ttft_{mode}_ms"] = _pct(ttft, 50)

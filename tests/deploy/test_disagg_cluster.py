@@ -5,7 +5,8 @@ prefilled there, with the tokens the same workers give as mixed workers; a prefi
 killed mid-prompt has its request retried on the other; a decode worker without room takes
 the request into its own queue; a failed hand-off is recomputed or fails the request, by
 the policy; nothing stays reserved or held. Workers whose KV cannot be exchanged are
-refused at start. The tests run in order (one kills a worker).
+refused at start. The decode worker computes none of a handed-off prompt; one killed
+during a hand-off strands nothing. The tests run in order (two kill a worker).
 
 No test relies on timing for the state it checks: engines are held (paused) while a state
 must last, and the hand-off's failures are injected (`fail_commits`)."""
@@ -28,11 +29,15 @@ from kvserve.deploy.service import Result, Service
 from kvserve.router.config import RouterConfig
 from kvserve.router.router import RouterActor
 
+pytestmark = pytest.mark.slow  # a router and three workers of its own
+
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 2048, "max_model_len": 512, "max_num_seqs": 16,
           "host_cache_gib": 0.05}
 ROLES = ["prefill", "prefill", "decode"]
 MAX_TOKENS = 16
-DISAGG = {"min_prompt_tokens": 32, "local_prefix_share": 2.0}  # (the prefix rule off)
+DISAGG_LEASE_S = 60.0  # reservations and held streams: a failure must end sooner than this
+DISAGG = {"min_prompt_tokens": 32, "local_prefix_share": 2.0,  # (the prefix rule off)
+          "lease_s": DISAGG_LEASE_S}
 
 
 def _prompt(i: int, long: bool = True) -> str:
@@ -280,6 +285,76 @@ def test_a_failed_handoff_is_recomputed_or_fails_the_request(cluster, svc, refs,
         assert err is not None and err.kind == "unavailable" and "hand-off" in err.message
         assert tokens == refs[prompt][:1]  # the first token came, then the error
         assert outcome["outcome"] == "failed"
+    _wait_clean(cluster)
+
+
+def test_the_decode_worker_never_prefills_a_handed_off_prompt(cluster, svc, refs):
+    """The KV came with the stream: the decode worker runs one token per decode step of a
+    handed-off request (the first token in, then its own), none of its prompt."""
+    _wait_clean(cluster)
+    dec = ray.get(cluster.workers.remote())[2]
+    prompt = _prompt(2)
+    before = ray.get(dec.load.remote())["stats"]
+    r = asyncio.run(_run(svc, prompt))
+    _wait_clean(cluster)
+    after = ray.get(dec.load.remote())["stats"]
+    assert r.token_ids == refs[prompt] and r.worker_id == "worker-2"
+    assert r.prefill_worker_id in ("worker-0", "worker-1")
+    assert after["tokens_computed"] - before["tokens_computed"] == MAX_TOKENS - 1
+    assert after["tokens_recomputed"] == before["tokens_recomputed"]
+    assert after["handoffs_in"] - before["handoffs_in"] == 1
+
+
+def test_a_decode_worker_killed_during_a_handoff_strands_nothing(cluster, svc, refs):
+    """The decode worker dies while the prompt runs on a prefill worker (held paused): the
+    commit finds no reservation there (dead, or restarted empty) and, under `fail`, the
+    client gets its first token then UNAVAILABLE; nothing stays held on the prefill worker
+    and the restarted decode worker serves again. No call waits for a lease."""
+    handles = ray.get(cluster.workers.remote())
+    prompt = _prompt(3)
+    logged = len(ray.get(cluster.handoff_log.remote()))
+    old = ray.get(cluster.set_disagg.remote(failure_policy="fail"))
+    try:
+        async def run() -> tuple[list[dict], BaseException | None, float]:
+            await asyncio.gather(*(handles[i].pause_engine.remote() for i in (0, 1)))
+            chunks: list[dict] = []
+
+            async def read() -> BaseException | None:
+                try:
+                    async for c in svc.stream(_request(svc, prompt, "decode-killed")):
+                        chunks.append(c)
+                except ServiceError as e:
+                    return e
+                return None
+
+            task = asyncio.create_task(read())
+            deadline = time.monotonic() + 60
+            while not (on := [i for i in (0, 1) if "decode-killed"
+                              in await handles[i].unfinished_ids.remote()]):
+                assert time.monotonic() < deadline, "the request reached no prefill worker"
+                await asyncio.sleep(0.05)
+            ray.kill(handles[2], no_restart=False)  # Ray restarts it, empty
+            t0 = time.monotonic()
+            await asyncio.gather(*(handles[i].resume_engine.remote() for i in (0, 1)))
+            err = await asyncio.wait_for(task, 120)
+            assert on[0] in (0, 1)
+            return chunks, err, time.monotonic() - t0
+
+        chunks, err, took = asyncio.run(run())
+    finally:
+        ray.get(cluster.set_disagg.remote(**old))
+    assert err is not None and err.kind == "unavailable", err
+    assert [t for c in chunks for t in c["token_ids"]] == refs[prompt][:1]
+    (outcome,) = _handoffs_since(cluster, logged, 1)
+    assert outcome["outcome"] == "failed", outcome
+    assert took < DISAGG_LEASE_S, took  # ended by the failed commit, not by a lease
+    deadline = time.monotonic() + 120
+    while not all(w["alive"] for w in _info(cluster)["workers"]):
+        assert time.monotonic() < deadline, "the killed decode worker did not come back"
+        time.sleep(0.25)
+    _wait_clean(cluster)
+    r = asyncio.run(_run(svc, prompt))  # the restarted decode worker takes hand-offs again
+    assert r.token_ids == refs[prompt] and r.worker_id == "worker-2"
     _wait_clean(cluster)
 
 

@@ -11,6 +11,7 @@ Tensor-parallel sizes that differ between the roles (2 and 1, CPU gloo) hand off
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -133,6 +134,55 @@ def test_the_decode_worker_computes_no_prompt_token(pair):
     assert res.outcome == "moved"
     made = len(joined(on_b)[0])
     assert computed == made  # one token in per decode step (the first one's, then its own)
+    wait_clean(a, b)
+
+
+def test_a_handoff_does_not_wait_for_the_prefill_workers_step_under_way(pair):
+    """The prefill worker's next step (another request's) is held in flight from the moment
+    the hand-off request is held: the freeze (read as it was held) and the release (the
+    consumer told at once, the blocks freed between steps) need no step boundary there,
+    so the stream reaches its decode worker and finishes while that step still runs."""
+    a, b = pair
+    eng = a.engine.engine
+    gate, entered = threading.Event(), threading.Event()
+    step = eng.step
+
+    def held_step():  # the step thread: blocks once the hand-off request is held
+        if "fast" in a.engine.handoffs()["held"]:
+            entered.set()
+            gate.wait(60)
+        return step()
+
+    async def run():
+        want = await whole(b, "ref fast", GREEDY)
+        b.engine.engine.kv.reset_prefix_cache()
+        # another request keeps the prefill worker stepping (480 steps: far more than the
+        # hand-off request's prefill needs to get held)
+        other = a.generate("other", ids(a)[:8], {**GREEDY, "max_tokens": 480})
+        first = await other.__anext__()
+        eng.step = held_step
+        cfg = HandoffConfig()
+        reading = await prefilled(a, b, "fast", GREEDY, cfg)
+        res = await asyncio.wait_for(
+            hand_off(LocalWorker(a, "worker-0"), LocalWorker(b, "worker-1"), 1, "fast", cfg),
+            30)
+        on_a = await asyncio.wait_for(reading, 30)
+        on_b = [c async for c in b.resume("fast")]
+        in_flight = (entered.is_set(), gate.is_set(), "other" in a.engine.unfinished_ids())
+        gate.set()
+        rest = [c async for c in other]
+        assert rest[-1]["finish_reason"] == "length" and first["token_ids"]
+        return want, on_a, on_b, res, in_flight
+
+    try:
+        want, on_a, on_b, res, in_flight = asyncio.run(run())
+    finally:
+        gate.set()
+        del eng.step  # (the instance's own; the class's again)
+    # the whole hand-off ran while the prefill worker's step was blocked
+    assert in_flight == (True, False, True)
+    assert res.outcome == "moved", res
+    assert joined(on_a[:-1] + on_b) == joined(want)
     wait_clean(a, b)
 
 

@@ -62,6 +62,10 @@ class _Handoff:
 
     lease_s: float = LEASE_S  # how long it may stay held, unsent
     held_at: float = 0.0  # when its first token was out and it left the batch (0: not yet)
+    # its final stage (meta, blocks), read as it was held: the router's freeze takes it
+    # without waiting for the step then under way (on a prefill worker, often the next
+    # prompt's prefill)
+    frozen: tuple[dict[str, Any], Any] | None = None
 
 
 class _Stream:
@@ -76,6 +80,11 @@ class _Stream:
             return True
         except RuntimeError:  # the consumer's loop is closed
             return False
+
+
+def _log_failed_release(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("releasing a handed-off stream failed: %s", fut.exception())
 
 
 def _settle(fut: asyncio.Future, answer: Any) -> None:
@@ -217,8 +226,26 @@ class AsyncLLMEngine:
 
     async def live_finish(self, request_id: str, target: int) -> bool:
         """The target committed: free the stream here; its consumer continues on `target`.
-        False when the consumer left meanwhile (the target's copy must then be aborted)."""
+        False when the consumer left meanwhile (the target's copy must then be aborted).
+
+        A hand-off's consumer is told at once (the stream is held: no step of this engine
+        touches it) and its blocks are freed between steps, so the client's next token
+        does not wait for the step under way here."""
+        if request_id in self._handoffs:
+            told = self._hand_over(request_id, target)  # (a pop: an abort's pop excludes it)
+            freed = self._call(lambda: self._live_finish(request_id, target))
+            freed.add_done_callback(_log_failed_release)
+            return told
         return await self._call(lambda: self._live_finish(request_id, target))
+
+    def take_frozen(self, request_id: str) -> tuple[dict[str, Any], Any] | None:
+        """A held hand-off request's final stage, read as it was held (once); None when
+        there is none (it was not read, or taken already)."""
+        h = self._handoffs.get(request_id)
+        if h is None or h.frozen is None:
+            return None
+        out, h.frozen = h.frozen, None
+        return out
 
     async def live_abandon(self, request_id: str) -> bool:
         """The move failed: the stream goes on here (thawed if it was frozen)."""
@@ -694,6 +721,16 @@ class AsyncLLMEngine:
                 del self._handoffs[rid]
                 self._resolve_waits(rid, {"gone": str(e)})
                 continue
+            t0 = time.perf_counter()
+            try:  # the final stage now, between steps: the freeze need not wait for one
+                meta, data = src.freeze(self.engine)
+            except Exception as e:  # (thawed: it decodes here)
+                log.warning("hand-off request %s cannot be frozen (%s); it decodes here", rid, e)
+                del self._handoffs[rid]
+                self._resolve_waits(rid, {"gone": str(e)})
+                continue
+            meta["freeze_s"], meta["waited_s"] = time.perf_counter() - t0, 0.0
+            h.frozen = (meta, data)
             h.held_at = time.monotonic()
             self._live_out[rid] = src
             st = self._streams.pop(rid, None)
