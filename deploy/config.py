@@ -11,10 +11,11 @@ from kvserve.config import EngineConfig
 from kvserve.router.config import RouterConfig
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
-# prompts shorter than this are prefilled where they decode (disaggregated serving): below it
-# a hand-off costs more than the prefill it moves (docs/benchmarks.md, "Disaggregated
-# serving")
-DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 256
+# prompts shorter than this are prefilled where they decode (disaggregated serving): one KV
+# block. On the CPU host a hand-off (13-30 ms up to 512 tokens) stalls the decode worker's
+# streams less than a local prefill of more than a few tokens (about 8 ms a token);
+# docs/benchmarks.md, "Disaggregated serving"
+DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 16
 # where `kvserve serve` starts Serve's proxies unless told otherwise
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_HTTP_HOST = 9000, 8000, "127.0.0.1"
 

@@ -499,7 +499,7 @@ def add_serve_parser(sub: Any) -> None:
                         "--tensor-parallel-size)")
     d.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
                    help="prompts shorter than this are prefilled on their decode worker "
-                        "(default 256, measured: docs/benchmarks.md)")
+                        "(default 16, measured: docs/benchmarks.md)")
     d.add_argument("--disagg-failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="a hand-off that fails: recompute the stream on a decode worker "
                         "(default), or fail the request")

@@ -46,7 +46,7 @@ HANDOFF_LOG = 2000  # recent hand-offs kept for `handoff_log` (benches)
 
 @dataclass
 class DisaggConfig:
-    min_prompt_tokens: int = 256  # shorter prompts are prefilled where they decode
+    min_prompt_tokens: int = 16  # shorter prompts are prefilled where they decode
     local_prefix_share: float = 0.5  # ... and those this share of which is cached there
     failure_policy: str = "recompute"  # a failed hand-off: recompute on decode, or fail
     lease_s: float = 60.0  # reservations and held streams untouched this long are freed

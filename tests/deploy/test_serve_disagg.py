@@ -19,7 +19,7 @@ import requests
 from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
 
-# about 330 tokens: above the default disagg_min_prompt_tokens (256)
+# about 330 tokens: above the default disagg_min_prompt_tokens (16)
 LONG = " ".join(f"Note {i}: the harbour master logged ship {i} arriving at dawn with cargo."
                 for i in range(22))
 SHORT = "The capital of France is"

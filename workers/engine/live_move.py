@@ -29,7 +29,7 @@ ends the move (the router may fall back to a stop-and-copy move for a parked one
 
 A hand-off after prefill (disaggregated serving, router/handoff.py) is the final stage alone:
 the target reserves before the prompt runs, the source holds the stream once its first token
-is out (`Source.hold`) and `freeze` sends all of it.
+is out (`Source.hold`) and reads all of it at once (`freeze`).
 """
 
 from __future__ import annotations
