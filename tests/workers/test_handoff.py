@@ -321,6 +321,7 @@ def tp_pair(tmp_path_factory):
     b.engine.shutdown()
 
 
+@pytest.mark.slow  # (its gloo pair costs ~12 s; tests/deploy/test_disagg_tp_cluster.py: via Ray)
 @pytest.mark.parametrize("direction", ["2 to 1", "1 to 2"])
 def test_handoffs_between_tensor_parallel_sizes(tp_pair, direction):
     """A prompt prefilled on a size-2 worker decodes on a size-1 worker, and the other way:
