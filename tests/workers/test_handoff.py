@@ -73,7 +73,7 @@ async def prefilled(a: WorkerActor, b: WorkerActor, rid: str, params: dict,
     await reserve(LocalWorker(b, "worker-1"), info, cfg)
 
     async def read() -> list[dict]:
-        return [c async for c in a.generate(rid, ids(a), params, None, True)]
+        return [c async for c in a.generate(rid, ids(a), params, handoff=True)]
 
     return asyncio.ensure_future(read())
 
@@ -197,7 +197,7 @@ def test_a_wait_that_comes_after_the_request_ended_learns_it_at_once(pair):
 
     async def run():
         chunks = [c async for c in a.generate("late", ids(a), {**GREEDY, "max_tokens": 1},
-                                              None, True)]
+                                              handoff=True)]
         t0 = time.monotonic()
         got = await a.engine.handoff_wait("late", 30.0)
         return chunks, got, time.monotonic() - t0
@@ -252,7 +252,7 @@ def test_leases_free_a_held_stream_and_a_reservation_nobody_comes_for(pair):
         a.handoff_lease_s = 0.5
         info = reservation("orphan", len(ids(a)), len(ids(a)) + 24, a.info()["kv"])
         assert (await b.live_reserve(info, 64, 0.5))["blocks"] > 0
-        chunks = [c async for c in a.generate("orphan", ids(a), GREEDY, None, True)]
+        chunks = [c async for c in a.generate("orphan", ids(a), GREEDY, handoff=True)]
         return chunks
 
     try:
@@ -272,7 +272,7 @@ def test_a_client_that_leaves_while_held_ends_the_handoff(pair):
     async def run():
         info = reservation("left", len(ids(a)), len(ids(a)) + 24, a.info()["kv"])
         await reserve(LocalWorker(b, "worker-1"), info, cfg)
-        gen = a.generate("left", ids(a), GREEDY, None, True)
+        gen = a.generate("left", ids(a), GREEDY, handoff=True)
         first = await gen.__anext__()
         deadline = time.monotonic() + 30
         while a.engine.handoffs()["held"] != ["left"]:
