@@ -11,6 +11,7 @@ halves), so the sizes need not match."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -48,7 +49,10 @@ def want(model) -> dict[str, list[int]]:
     """Each prompt's greedy tokens on one single-device engine."""
     llm = LLM(model, kv_cache_tokens=1024, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return {d: llm.generate(p, params)[0].token_ids for d, p in PROMPTS.items()}
+    out = {d: llm.generate(p, params)[0].token_ids for d, p in PROMPTS.items()}
+    del llm  # (its engine's memory, before the cluster starts)
+    gc.collect()
+    return out
 
 
 @pytest.fixture(scope="module")
