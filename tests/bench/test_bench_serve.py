@@ -475,6 +475,7 @@ def test_disagg_bench_compares_roles_on_its_own_service(tmp_path):
         "--long-input-len", "300", "--long-share", "0.5", "--random-output-len", "8",
         "--num-prompts", "4", "--max-concurrency", "4", "--num-warmups", "0",
         "--disagg-rounds", "1", "--stream-interval-ms", "0", "--handoff-sweep", "64,300",
+        "--disagg-min-prompt-tokens", "256",  # the 300-token prompts handed off, not the 16
         "--no-progress", "--save-result", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())["disagg"]
