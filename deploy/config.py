@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvserve.config import EngineConfig
 from kvserve.router.config import RouterConfig
+from kvserve.speculative import SpeculativeConfig, parse_speculative_config
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
 # where `kvserve serve` starts Serve's proxies unless told otherwise
@@ -44,6 +45,11 @@ class ServeConfig(BaseModel):
         900.0, gt=0, description="a worker that Ray has not placed this long after its start "
                                  "(no node with its resources free) is stopped and reported "
                                  "failed, with what it waited for")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding of every worker's engine, with vLLM's names "
+                          "(method ngram|draft_model, num_speculative_tokens, "
+                          "prompt_lookup_min/max, model, disable_by_batch_size); a dict or its "
+                          "JSON text; None = off")
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
@@ -133,6 +139,11 @@ class ServeConfig(BaseModel):
     live_move_growth_tokens: int = Field(
         256, ge=0, description="tokens a live move's target reserves for the stream's growth")
 
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: Any) -> Any:
+        return parse_speculative_config(v) if isinstance(v, str) else v
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
@@ -186,6 +197,11 @@ class ServeConfig(BaseModel):
         if in_engine is not None and in_engine != tp:
             raise ValueError(f"engine.tensor_parallel_size {in_engine} differs from "
                              f"tensor_parallel_size {tp}; set it once")
+        in_engine = self.engine.get("speculative_config")
+        if in_engine is not None and self.speculative_config is not None and \
+                parse_speculative_config(in_engine) != self.speculative_config:
+            raise ValueError("engine.speculative_config differs from speculative_config; set it "
+                             "once")
         gpus = self.num_gpus_per_worker
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"a worker with tensor_parallel_size {tp} runs one rank per GPU: "
@@ -228,8 +244,11 @@ class ServeConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
+        extra: dict[str, Any] = {}
+        if self.speculative_config is not None:
+            extra["speculative_config"] = self.speculative_config
         return EngineConfig(**{**self.engine, "model": self.model,
-                               "tensor_parallel_size": self.tensor_parallel_size})
+                               "tensor_parallel_size": self.tensor_parallel_size, **extra})
 
     def resolved_api_keys(self) -> list[str]:
         """Configured keys plus those in $KVSERVE_API_KEYS (comma separated)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,12 @@ from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.workers.structured.state import GrammarState
+
+if TYPE_CHECKING:
+    from kvserve.workers.engine.spec_policy import SpecState
+
+# no proposals (shared, never mutated)
+NO_DRAFT: list[int] = []
 
 # Usage((p, c, n)) and RequestOutput((...)) built by tuple.__new__, without a Python frame
 _usage = functools.partial(tuple.__new__, Usage)
@@ -109,6 +116,13 @@ class Sequence:
         # how a parked stream comes back (by copy or recomputed, and why), set on admission
         self.restore_choice: Choice | None = None
         self.num_evictions = 0
+        # speculative decoding: this step's proposed tokens (read by the scheduler; a new list
+        # each step, never mutated) and the stream's acceptance record (`spec_policy.py`)
+        self.draft: list[int] = NO_DRAFT
+        self.spec: SpecState | None = None
+        # an unseeded sampled stream's noise for one step, shared by a draft model and the
+        # target's rows (`speculative.py`)
+        self.spec_gen: torch.Generator | None = None
 
     def set_output_ids(self, ids: list[int]) -> None:
         """Replace the generated ids (a snapshot resuming here)."""
