@@ -243,6 +243,7 @@ def test_app_port_settings_must_match_serves_proxies():
                    "(grpc_options.port)"]
 
 
+@pytest.mark.slow  # a second Serve app: ~20 s
 def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
     """Deployed with Serve's own tools onto running proxies, an app whose http_port says
     another port than Serve's HTTP proxy uses fails to start, naming Serve's setting."""
