@@ -117,7 +117,7 @@ def drive(eng: LLMEngine, reqs: list[tuple[list[int], SamplingParams]], on_step=
     assert eng.kv.streams == {} and eng.kv.held == {} and eng.kv.pool.num_used == 0
     assert eng.kv.host is None or eng.kv.host.num_used == 0
     if eng.spec is not None and hasattr(eng.spec.proposer, "runner"):
-        assert eng.spec.proposer.runner.kv.pool.num_used == 0 or eng.has_unfinished()
+        assert eng.spec.proposer.runner.kv.pool.num_used == 0
     return final
 
 
@@ -354,17 +354,18 @@ def test_snapshot_mid_speculation_resumes_elsewhere(path):
     the unmoved run."""
     p = copying(path, 1, seed=7)[0]
     for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                   SamplingParams(temperature=0.3, top_k=3, seed=3, max_tokens=30,
+                   SamplingParams(temperature=0.05, top_k=3, seed=3, max_tokens=30,
                                   ignore_eos=True)):
         want = drive(engine(path), [(p, params)])["r0"]["ids"]
         for spec_to in (NGRAM, None):
             src, dst = engine(path, NGRAM), engine(path, spec_to)
             src.add_request(p, params, request_id="m")
             got: list[int] = []
-            for _ in range(4):
+            # step until a verification happened (and the stream runs on)
+            while src.stats()["spec_drafts"] == 0 and len(got) < 20:
                 for o in src.step():
                     got += o.delta_token_ids
-            assert src.stats()["spec_drafts"] > 0
+            assert src.stats()["spec_drafts"] > 0 and src.has_unfinished()
             data = src.export_stream("m")
             for o in src.step():
                 got += o.delta_token_ids
@@ -384,9 +385,11 @@ def test_abort_mid_speculation_frees_everything(path):
     for i, p in enumerate(ps):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
                         request_id=f"a{i}")
-    for _ in range(5):
+    for _ in range(100):  # until a verification (a random model's output soon repeats)
         eng.step()
-    assert eng.stats()["spec_drafts"] > 0
+        if eng.stats()["spec_drafts"]:
+            break
+    assert eng.stats()["spec_drafts"] > 0 and eng.has_unfinished()
     for i in range(4):
         assert eng.abort(f"a{i}")
     eng.step()
@@ -465,11 +468,14 @@ def test_policy_follows_acceptance_and_cost():
     assert s.alpha > 0.9
     for _ in range(20):
         s.observe(4, 0)
-    assert s.alpha < 0.1
+    for _ in range(20):
+        s.observe(4, 0)
+    assert s.alpha < 0.1  # forty rejections in a row outweigh twenty full acceptances
+    assert pol.lengths([Candidate(s.alpha, 100, False, 4)], 1, 0, 0) == [0]
     # a shadow proposal is scored once the tokens after it decide it
     s = SpecState()
     s.shadow_at, s.shadow = 3, [7, 8, 9]
     s.resolve_shadow([1, 2, 3, 7])  # undecided
     assert s.shadow_at == 3
     s.resolve_shadow([1, 2, 3, 7, 8, 5])  # two accepted, then a mismatch
-    assert s.shadow_at == -1 and s.hits == 0.5 * 0.9 + 2
+    assert s.shadow_at == -1 and s.hits == pytest.approx(1.0 * 0.9 + 2)  # prior 1 of 2, decayed

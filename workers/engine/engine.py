@@ -189,6 +189,8 @@ class LLMEngine:
             return False
         seq.abort()
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.forget([request_id])
         return True
 
     def has_unfinished(self) -> bool:
@@ -223,6 +225,8 @@ class LLMEngine:
         if finished:
             self.scheduler.finish(finished)
         if spec is not None:
+            if finished:
+                spec.forget([s.request_id for s in finished])
             spec.end_step(sum(not s.params.greedy for s in sample_seqs))
         return outputs
 
@@ -243,6 +247,7 @@ class LLMEngine:
         outputs, finished = self._append_tokens(sample_seqs, emitted, finished_only)
         if finished:
             self.scheduler.finish(finished)
+            spec.forget([s.request_id for s in finished])
         spec.end_step(sum((len(s.kv_step.draft) + 1) * (not s.params.greedy) for s in sample_seqs))
         return outputs
 
@@ -451,7 +456,10 @@ class LLMEngine:
 
         self._carry += self.flush()  # its last token belongs in the snapshot; its output
         # comes with the next step()
-        return export_stream(self, request_id)
+        data = export_stream(self, request_id)
+        if self.spec is not None:
+            self.spec.forget([request_id])
+        return data
 
     def import_stream(self, data: bytes, request_id: str | None = None) -> str:
         """Queue a snapshot from `export_stream` (this or another engine, same model) as a

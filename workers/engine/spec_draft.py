@@ -38,6 +38,10 @@ Choose = Callable[[torch.Tensor, list["Sequence"], list[list[int]], list[torch.G
                   list[int]]
 
 
+# a draft's forward seconds per row count, by draft and engine settings (this process)
+_TIMED: dict[tuple[str, str], list[float]] = {}
+
+
 class DraftModelProposer:
     name = "draft_model"
     free = False
@@ -62,7 +66,10 @@ class DraftModelProposer:
         self.proposed: dict[str, tuple[int, list[int]]] = {}
         top = max(1, min(cfg.max_num_seqs * 2, self.budget))
         self.grid = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= top} | {top})
-        self.seconds = self.runner.time_rows(self.grid, vocab)
+        key = (model, cfg.model_copy(update={"speculative_config": None}).model_dump_json())
+        if key not in _TIMED:  # as the target's calibration: once per process and settings
+            _TIMED[key] = self.runner.time_rows(self.grid, vocab)
+        self.seconds = _TIMED[key]
         log.info("draft model %s: a forward of 1 / %d rows %.1f / %.1f ms", model, self.grid[-1],
                  self.seconds[0] * 1e3, self.seconds[-1] * 1e3)
 

@@ -41,6 +41,7 @@ from kvserve.workers.engine import constraints
 from kvserve.workers.engine.sequence import NO_DRAFT, Sequence
 from kvserve.workers.engine.spec_policy import (
     PROBE_EVERY,
+    SAMPLE_SCALE,
     Candidate,
     SpecPolicy,
     SpecState,
@@ -159,6 +160,12 @@ class Speculator:
                 self._set_draft(s, d)
             else:
                 s.spec_gen = None
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Streams that left the engine (finished, aborted, moved away): whatever the
+        proposer holds for them (a draft model's KV) goes now, not at the next step."""
+        live = {s.request_id for s in self.engine.scheduler.running} - set(request_ids)
+        self.proposer.keep_only(live)
 
     def _set_draft(self, s: Sequence, draft: list[int]) -> None:
         if s.grammar is not None:  # proposals the grammar refuses are cut
@@ -296,9 +303,27 @@ class Speculator:
         return out
 
 
+# calibrations made in this process, by engine settings: engines of the same model and
+# settings in one process (offline runs, benches, tests) share the figures; each serving
+# worker is its own process and measures its own
+_CALIBRATED: dict[tuple[str, int], StepCost] = {}
+
+
 def calibrate(engine: LLMEngine, k: int) -> StepCost:
     """Time the target's forward for each row count a step may reach, and one random row's
-    sampling; the caches are left as new."""
+    sampling; the caches are left as new. The figures seed the cost model, which the engine's
+    own steps then correct (`StepCost.observe`)."""
+    cfg = engine.config
+    key = (cfg.model_copy(update={"speculative_config": None}).model_dump_json(), k)
+    got = _CALIBRATED.get(key)
+    if got is not None:
+        return StepCost(list(got.grid), list(got.lin_s), float(got.w[2]) * SAMPLE_SCALE)
+    cost = _calibrate(engine, k)
+    _CALIBRATED[key] = cost
+    return StepCost(list(cost.grid), list(cost.lin_s), float(cost.w[2]) * SAMPLE_SCALE)
+
+
+def _calibrate(engine: LLMEngine, k: int) -> StepCost:
     runner = engine.runner
     cfg = engine.config
     top = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (k + 1), engine.max_model_len - 1,
@@ -314,9 +339,11 @@ def calibrate(engine: LLMEngine, k: int) -> StepCost:
     from kvserve.sampling import SamplingParams
 
     params = [SamplingParams(temperature=0.8, top_p=0.95)] * 8
-    t0 = time.perf_counter()
-    engine.sampler.sample(x, params, [[1]] * 8, [[]] * 8, [None] * 8).result()
-    sample_s = (time.perf_counter() - t0) / 8
+    sample_s = 0.0
+    for _ in range(2):  # the second: warm
+        t0 = time.perf_counter()
+        engine.sampler.sample(x, params, [[1]] * 8, [[]] * 8, [None] * 8).result()
+        sample_s = (time.perf_counter() - t0) / 8
     log.info("speculative decoding: forward of 1 / %d rows %.1f / %.1f ms; a random row's "
              "sampling %.2f ms", grid[-1], seconds[0] * 1e3, seconds[-1] * 1e3, sample_s * 1e3)
     return StepCost(grid, seconds, sample_s)
