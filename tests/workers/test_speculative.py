@@ -148,25 +148,21 @@ def spec_stats(eng: LLMEngine) -> dict:
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe"]
 
 
-@pytest.fixture(scope="module")
-def family_paths(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("spec_families")
-    out = {}
-    for fam in FAMILIES:
-        d = root / fam
-        if fam in ("llama", "mistral", "qwen2"):
-            extra = {"sliding_window": 8} if fam == "mistral" else {}
-            out[fam] = make_tiny_hf_model(d, fam, seed=3, **extra)
-        elif fam == "qwen3_moe":
-            out[fam] = make_moe_model(d, fam, seed=3)
-        else:
-            out[fam] = make_arch_model(d, fam, seed=3)
-    return out
+def family_path(root, fam: str) -> str:
+    d = root / fam
+    if fam in ("llama", "mistral", "qwen2"):
+        extra = {"sliding_window": 8} if fam == "mistral" else {}
+        return make_tiny_hf_model(d, fam, seed=3, **extra)
+    if fam == "qwen3_moe":
+        return make_moe_model(d, fam, seed=3)
+    return make_arch_model(d, fam, seed=3)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_identical_across_families(family_paths, family):
-    path = family_paths[family]
+# the default tier runs one family; the heavy tier all of them
+@pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_greedy_tokens_identical_across_families(tmp_path, family):
+    path = family_path(tmp_path, family)
     reqs = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
             for p in looping(5, seed=1)]
     plain = drive(engine(path), reqs)
@@ -179,6 +175,7 @@ def test_greedy_tokens_identical_across_families(family_paths, family):
     accepted_hashes(eng, [p + plain[f"r{i}"]["ids"] for i, (p, _) in enumerate(reqs)])
 
 
+@pytest.mark.slow
 def test_greedy_identical_on_the_default_model(smol_path):
     """The default model (Q4_1 blocks through the small-row kernel) on copy-heavy prompts: the
     same tokens, most proposals accepted."""
@@ -199,6 +196,7 @@ def test_greedy_identical_on_the_default_model(smol_path):
 
 # ---- sampling ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_seeded_sampling_is_plain_sampling(path):
     """A seeded request draws each position's noise as plain decoding does (the generator
     rewound after a rejection): the same tokens and logprobs, with penalties, top-k/p/min-p,
@@ -222,6 +220,7 @@ def test_seeded_sampling_is_plain_sampling(path):
     assert st["spec_accepted_tokens"] > 0 and st["spec_accepted_tokens"] < st["spec_draft_tokens"]
 
 
+@pytest.mark.slow
 def test_sampled_tokens_keep_the_target_distribution(path):
     """Unseeded sampling over a vocabulary cut to 4 tokens (an equal logit_bias lifts them
     above every other, top_k keeps them; their relative odds are the model's), with a prompt
@@ -262,6 +261,7 @@ def test_sampled_tokens_keep_the_target_distribution(path):
 
 # ---- stops, structure, bias --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_stop_strings_and_ids_inside_accepted_proposals(path):
     """A stop string or stop id met inside a step's accepted proposals ends the output there,
     as plain decoding does; the tokens after it in that step are dropped."""
@@ -309,6 +309,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "tags", "n"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_structured_outputs_stay_valid(path, sampling):
     """The grammar masks every proposed position, proposals it refuses are cut: the output is
@@ -331,7 +332,7 @@ def test_structured_outputs_stay_valid(path, sampling):
 
 # ---- parked, moved, aborted --------------------------------------------------------------
 
-@pytest.mark.parametrize("host", [0, 0.002])
+@pytest.mark.parametrize("host", [pytest.param(0, marks=pytest.mark.slow), 0.002])
 def test_parked_streams_keep_only_accepted_tokens(path, host):
     """A pool too small for the batch parks streams between steps (with the host tier: their
     blocks written back): outputs are plain decoding's, and neither tier holds a block of a
@@ -348,6 +349,7 @@ def test_parked_streams_keep_only_accepted_tokens(path, host):
     accepted_hashes(eng, [p + ref[f"r{i}"]["ids"] for i, (p, _) in enumerate(reqs)])
 
 
+@pytest.mark.slow
 def test_snapshot_mid_speculation_resumes_elsewhere(path):
     """A stream exported between two speculating steps carries only accepted tokens (and its
     generator after them): it resumes on an engine with speculation, or without, and ends as
@@ -399,6 +401,7 @@ def test_abort_mid_speculation_frees_everything(path):
 
 # ---- the draft model ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_draft_model_proposals(path, tmp_path_factory):
     """A draft model (here a smaller random Llama with the same tokenizer, and the target
     itself) proposes; greedy and seeded sampling give plain decoding's tokens. The target as
@@ -432,6 +435,7 @@ def test_draft_model_must_share_the_tokenizer(path, tmp_path_factory):
 
 # ---- the policy --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_disable_by_batch_size(path):
     ps = looping(6, seed=10)
     spec = {**NGRAM, "disable_by_batch_size": 4}
@@ -460,6 +464,10 @@ def test_policy_follows_acceptance_and_cost():
     many = [Candidate(0.6, 100, False, 4) for _ in range(16)]
     assert pol.lengths(many, 16, 0, 0) == [0] * 16
     assert pol.off_cost == 2
+    # disable_by_batch_size: off for a step with that many running streams, whatever it pays
+    capped = SpecPolicy(4, 8, cheap, None)
+    assert capped.lengths(good, 7, 0, 0) == [4]
+    assert capped.lengths(good, 8, 0, 0) == [0] and capped.off_batch == 1
     # the acceptance record: one half to start, then mostly what verifications showed
     s = SpecState()
     assert s.alpha == 0.5
@@ -479,3 +487,23 @@ def test_policy_follows_acceptance_and_cost():
     assert s.shadow_at == 3
     s.resolve_shadow([1, 2, 3, 7, 8, 5])  # two accepted, then a mismatch
     assert s.shadow_at == -1 and s.hits == pytest.approx(1.0 * 0.9 + 2)  # prior 1 of 2, decayed
+
+
+# ---- tensor parallelism ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ngram_on_a_tensor_parallel_engine(path):
+    """The verify step's rows and decode-row attention reach the other rank (its step
+    message): greedy tokens equal the single-device engine's, with proposals accepted."""
+    reqs = [(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            for p in looping(3, seed=12)]
+    plain = drive(engine(path), reqs)
+    llm = LLM(path, block_size=BS, dtype="float32", num_threads=2, kv_cache_tokens=4096,
+              host_cache_gib=0, tensor_parallel_size=2, speculative_config=NGRAM)
+    try:
+        llm.engine.spec.policy.always = True
+        assert drive(llm.engine, reqs) == plain
+        st = spec_stats(llm.engine)
+        assert st["spec_accepted_tokens"] > 0, st
+    finally:
+        llm.close()
