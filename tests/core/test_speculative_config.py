@@ -62,6 +62,8 @@ def test_engine_config_refuses_what_it_cannot_honour():
                                          "tensor_parallel_size > 1"):
         EngineConfig(speculative_config={"model": "x", "num_speculative_tokens": 2},
                      tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="not available with LoRA adapters"):
+        EngineConfig(speculative_config=spec, enable_lora=True)
 
 
 def test_serve_cli_and_serve_config_carry_it_to_the_workers():

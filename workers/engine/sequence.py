@@ -18,6 +18,7 @@ from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.workers.structured.state import GrammarState
 
 if TYPE_CHECKING:
+    from kvserve.workers.engine.adapters import Adapter
     from kvserve.workers.engine.spec_policy import SpecState
 
 # no proposals (shared, never mutated)
@@ -107,6 +108,11 @@ class Sequence:
         # what the scheduler asks the KV manager for this stream while it runs (updated in
         # place every step)
         self.kv_step = StreamStep(request_id, self.all_ids, 0)
+        # its LoRA adapter (None: the base model), the device slot it holds while it runs
+        # (-1 otherwise) and whether it holds the adapter's host copy (from creation to exit)
+        self.lora: Adapter | None = None
+        self.lora_slot = -1
+        self.lora_pinned = False
         self.status = Status.WAITING
         # the rest
         self.arrival = arrival
