@@ -129,6 +129,9 @@ class Sequence:
         # an unseeded sampled stream's noise for one step, shared by a draft model and the
         # target's rows (`speculative.py`)
         self.spec_gen: torch.Generator | None = None
+        # prefilled here for another worker (disaggregated serving): once its first token is
+        # sampled it is not planned again; the async engine holds it for the hand-off
+        self.handoff = False
 
     def set_output_ids(self, ids: list[int]) -> None:
         """Replace the generated ids (a snapshot resuming here)."""

@@ -103,7 +103,7 @@ class Speculator:
                 other += n - (0 if st is None else st.num_computed)  # a prompt still filling
                 continue
             room = min(self.k, s.max_len - n - 1)  # the step's own token comes after them
-            if room > 0 and s.finish_reason is None and not s.requires_sync:
+            if room > 0 and s.finish_reason is None and not s.requires_sync and not s.handoff:
                 if s.spec is None:
                     s.spec = SpecState()
                 seqs.append(s)
