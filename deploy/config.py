@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvserve.config import EngineConfig
 from kvserve.router.config import RouterConfig
+from kvserve.speculative import SpeculativeConfig, parse_speculative_config
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
 # prompts shorter than this are prefilled where they decode (disaggregated serving): one KV
@@ -51,6 +52,11 @@ class ServeConfig(BaseModel):
         900.0, gt=0, description="a worker that Ray has not placed this long after its start "
                                  "(no node with its resources free) is stopped and reported "
                                  "failed, with what it waited for")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding of every worker's engine, with vLLM's names "
+                          "(method ngram|draft_model, num_speculative_tokens, "
+                          "prompt_lookup_min/max, model, disable_by_batch_size); a dict or its "
+                          "JSON text; None = off")
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
@@ -257,6 +263,11 @@ class ServeConfig(BaseModel):
                              "GPUs, or one dtype (engine.dtype, --dtype)")
         return self
 
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: Any) -> Any:
+        return parse_speculative_config(v) if isinstance(v, str) else v
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
@@ -344,6 +355,11 @@ class ServeConfig(BaseModel):
         if in_engine is not None and in_engine != tp:
             raise ValueError(f"engine.tensor_parallel_size {in_engine} differs from "
                              f"tensor_parallel_size {tp}; set it once")
+        in_engine = self.engine.get("speculative_config")
+        if in_engine is not None and self.speculative_config is not None and \
+                parse_speculative_config(in_engine) != self.speculative_config:
+            raise ValueError("engine.speculative_config differs from speculative_config; set it "
+                             "once")
         gpus = self.num_gpus_per_worker
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"a worker with tensor_parallel_size {tp} runs one rank per GPU: "
@@ -402,6 +418,8 @@ class ServeConfig(BaseModel):
         if self.loras or self.enable_lora:
             lora = {"loras": self.loras, "enable_lora": True, "max_loras": self.max_loras,
                     "max_lora_rank": self.max_lora_rank, "max_cpu_loras": self.max_cpu_loras}
+        if self.speculative_config is not None:
+            lora["speculative_config"] = self.speculative_config
         return EngineConfig(**{**self.engine, "model": self.model,
                                "tensor_parallel_size": self.tensor_parallel_size, **lora})
 

@@ -577,6 +577,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's names: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (also "
+                        "prompt_lookup_min/max), or method draft_model with \"model\" (a draft "
+                        "sharing the tokenizer); disable_by_batch_size turns it off for steps "
+                        "with that many running streams")
     lo = s.add_argument_group("LoRA adapters")
     lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                     help="a PEFT LoRA adapter (directory or Hub id) served as model NAME "
@@ -620,6 +626,8 @@ def config_from_args(a: Any) -> ServeConfig:
         return _serve_config(a, engine, gpus, role_gpus)
     except ValidationError as e:  # one line, as the other start-up errors
         raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
+    except ValueError as e:  # --speculative-config's JSON
+        raise ConfigError(str(e)) from None
 
 
 def _error_line(err: Any) -> str:
@@ -662,4 +670,5 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
         loras=list(a.lora), enable_lora=a.enable_lora, max_loras=a.max_loras,
         max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras,
         wait_for_all_workers=a.wait_for_all_workers, placement_timeout_s=a.placement_timeout_s,
+        speculative_config=a.speculative_config,
     )

@@ -36,6 +36,10 @@ ENGINE_COUNTERS = {
     "restored_bytes": "kvserve_kv_restored_bytes",
     "tokens_recomputed": "kvserve_kv_recomputed_tokens",
     "writebacks_skipped": "kvserve_kv_writebacks_skipped",
+    # speculative decoding: verifications, proposed and accepted tokens (0 without it)
+    "spec_drafts": "kvserve_spec_decode_drafts",
+    "spec_draft_tokens": "kvserve_spec_decode_draft_tokens",
+    "spec_accepted_tokens": "kvserve_spec_decode_accepted_tokens",
 }
 COPY_SECONDS = {"d2h": "copy_seconds_d2h", "h2d": "copy_seconds_h2d"}
 # the restore cost model's measured figures: copy bandwidth per direction, prefill rate

@@ -38,7 +38,8 @@ P = "ray_kvserve_"  # Ray prefixes custom metrics with "ray_"; counters end in "
 WORKER_COUNTERS = ["requests_received", "requests_finished", "prompt_tokens", "generation_tokens",
                    "prefix_cache_hit_tokens", "kv_evictions", "kv_restored_blocks",
                    "kv_restored_bytes", "kv_recomputed_tokens", "kv_host_copy_seconds",
-                   "kv_restores", "kv_writebacks_skipped"]
+                   "kv_restores", "kv_writebacks_skipped", "spec_decode_drafts",
+                   "spec_decode_draft_tokens", "spec_decode_accepted_tokens"]
 WORKER_GAUGES = ["requests_running", "requests_waiting", "kv_device_blocks_used",
                  "kv_device_blocks_capacity", "kv_host_blocks_used", "kv_host_blocks_capacity",
                  "streams_running", "streams_parked", "kv_host_copy_gbps", "prefill_tokens_per_s"]

@@ -45,6 +45,8 @@ GPU_AUTOSCALING = {
         "hostCacheGib": 32, "routingPolicy": "least_loaded", "maxImbalance": 2,
         "maxInflightPerWorker": 512, "streamIntervalMs": 0, "servedModelName": "smol",
         "shutdownGraceS": 300,
+        "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
+                              "prompt_lookup_max": 4, "disable_by_batch_size": 32},
     },
     "workerGroup": {
         "gpus": 1, "replicas": 1, "minReplicas": 1, "maxReplicas": 4,
@@ -265,6 +267,10 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
         assert (sc.routing_policy, sc.max_imbalance, sc.max_inflight_per_worker) == (
             "least_loaded", 2, 512)
         assert sc.stream_interval_ms == 0 and sc.served_model_name == "smol"
+        spec = sc.engine_config().speculative_config
+        assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 4
+        assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4)
+        assert spec.disable_by_batch_size == 32
     elif name == "tensor-parallel":
         assert sc.tensor_parallel_size == 4 and sc.num_gpus_per_worker == 4
         assert sc.engine_config().tensor_parallel_size == 4
@@ -551,6 +557,10 @@ def test_notes_name_the_services():
     ({"model": {"id": "org/name@main"}}, "at '/model/id': 'org/name@main' does not match"),
     ({"model": {"revision": "a b"}}, "at '/model/revision': 'a b' does not match pattern"),
     ({"model": {"cache": {"sizeLimit": "lots"}}}, "at '/model/cache/sizeLimit'"),
+    ({"serve": {"speculativeConfig": {"method": "eagle", "num_speculative_tokens": 2}}},
+     "at '/serve/speculativeConfig/method'"),
+    ({"serve": {"speculativeConfig": {"method": "ngram"}}},
+     "at '/serve/speculativeConfig': missing property 'num_speculative_tokens'"),
     ({"serve": {"disagg": {"failurePolicy": "retry"}}}, "at '/serve/disagg/failurePolicy'"),
     ({"serve": {"prefill": {"tensorParallelSize": 0}}}, "at '/serve/prefill/tensorParallelSize'"),
     ({"serve": {"decode": {"replicas": 2}}}, "additional properties 'replicas' not allowed"),

@@ -31,6 +31,8 @@ WORKER_METRICS = {
     "ray_kvserve_kv_recomputed_tokens_total", "ray_kvserve_kv_host_copy_seconds_total",
     "ray_kvserve_kv_restores_total", "ray_kvserve_kv_writebacks_skipped_total",
     "ray_kvserve_kv_host_copy_gbps", "ray_kvserve_prefill_tokens_per_s",
+    "ray_kvserve_spec_decode_drafts_total", "ray_kvserve_spec_decode_draft_tokens_total",
+    "ray_kvserve_spec_decode_accepted_tokens_total",
 }
 INGRESS_METRICS = {"ray_kvserve_requests_rejected_total"}
 ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retries_total",
@@ -58,7 +60,7 @@ def test_dashboard_structure():
     assert {"model", "worker"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "KV cache", "Router", "Migration",
-                    "Disaggregated serving", "Per-worker load"]
+                    "Disaggregated serving", "Per-worker load", "Speculative decoding"]
     exprs = []
     for panel in dash["panels"]:
         if panel["type"] == "row":

@@ -379,6 +379,7 @@ livenessProbe:
   "num_gpus_per_worker" $s.numGpusPerWorker
   "num_cpus_per_worker" $s.numCpusPerWorker
   "tensor_parallel_size" $s.tensorParallelSize
+  "speculative_config" $s.speculativeConfig
   "stream_interval_ms" $s.streamIntervalMs
   "engine" $engine
   "http_host" "0.0.0.0"
