@@ -49,11 +49,16 @@ class Demand:
     num_workers: int
     bundle: Mapping[str, float]  # what one worker reserves on one node
     tensor_parallel_size: int = 1
+    count_flag: str = "--workers"  # the setting that asks for that many workers
 
 
 def demand_of(cfg: ServeConfig) -> Demand:
-    return Demand(cfg.num_workers, worker_bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker),
-                  cfg.tensor_parallel_size)
+    """The most workers the app may run at once (an autoscaled pool: max_workers)."""
+    flag = "--max-workers" if cfg.autoscaling and cfg.autoscaling.max_workers >= cfg.num_workers \
+        else "--workers"
+    return Demand(cfg.most_workers(),
+                  worker_bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker),
+                  cfg.tensor_parallel_size, flag)
 
 
 def fit_count(bundle: Mapping[str, float], resources: Mapping[str, float]) -> float:
@@ -100,7 +105,7 @@ def _ways_out(demand: Demand, nodes: Sequence[Node], held: int) -> list[str]:
     bundle, n, tp = dict(demand.bundle), demand.num_workers, demand.tensor_parallel_size
     ways = []
     if held > 0:
-        ways.append(f"--workers {held}")
+        ways.append(f"{demand.count_flag} {held}")
     for key, flag in (("CPU", "--cpus-per-worker"), ("GPU", "--gpus-per-worker")):
         if key not in bundle or (key == "GPU" and tp > 1):
             continue

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.deploy import tls
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
+from kvserve.deploy.autoscaling import add_autoscaling_args, autoscaling_from_args
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.placement import PlacementError, check_placement
 from kvserve.deploy.ray_start import init_ray
@@ -376,7 +377,10 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
     context = _served_context(cfg)
     n = cfg.num_workers
     serving = f"{n - len(not_ready)} of {n}" if not_ready else f"{n}"
-    print(f"kvserve: serving {cfg.model_name()} on {serving} worker(s)"
+    a = cfg.autoscaling
+    scaling = (f", autoscaling {a.min_workers}..{a.max_workers} (delays: up "
+               f"{a.upscale_delay_s:g} s, down {a.downscale_delay_s:g} s)" if a else "")
+    print(f"kvserve: serving {cfg.model_name()} on {serving} worker(s){scaling}"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
     for worker, state in not_ready.items():
         print(f"  {worker:<10} {state}")
@@ -451,7 +455,9 @@ def add_serve_parser(sub: Any) -> None:
     from kvserve.models import MODEL_HELP
 
     s.add_argument("--model", default=None, help=MODEL_HELP)
-    s.add_argument("--workers", type=int, default=1, help="worker actors (one engine each)")
+    s.add_argument("--workers", type=int, default=None,
+                   help="worker actors, one engine each (default 1); with autoscaling, the "
+                        "workers it starts with (default: max(1, --min-workers))")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
                         "default: the tensor-parallel size if CUDA else 0")
@@ -500,6 +506,7 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--shutdown-grace-s", type=float, default=120.0,
                    help="on SIGTERM / Ctrl-C, requests in flight get this long to finish "
                         "(then UNAVAILABLE / 503)")
+    add_autoscaling_args(s)
     e = s.add_argument_group("engine")
     e.add_argument("--kv-cache-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None,
@@ -540,7 +547,11 @@ def config_from_args(a: Any) -> ServeConfig:
     from pydantic import ValidationError
 
     try:
-        return _serve_config(a, engine, gpus)
+        autoscaling = autoscaling_from_args(a)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return _serve_config(a, engine, gpus, autoscaling)
     except ValidationError as e:  # one line, as the other start-up errors
         raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
 
@@ -551,9 +562,12 @@ def _error_line(err: Any) -> str:
     return f"{field}: {msg}" if field else msg
 
 
-def _serve_config(a: Any, engine: dict[str, Any], gpus: float) -> ServeConfig:
+def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
+                  autoscaling: dict[str, Any] | None) -> ServeConfig:
+    # an unset --workers stays unset: with autoscaling the pool starts at its minimum
+    workers = {} if a.workers is None else {"num_workers": a.workers}
     return ServeConfig(
-        model=a.model, num_workers=a.workers, num_gpus_per_worker=gpus,
+        **workers, autoscaling=autoscaling, model=a.model, num_gpus_per_worker=gpus,
         tensor_parallel_size=a.tensor_parallel_size,
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,

@@ -324,6 +324,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
             "devices": self._devices,
             "runtime": self.engine.engine.runner.runtime,
+            "ttft_recent": self.metrics.ttft_recent(),
         }
 
     def info(self) -> dict[str, Any]:

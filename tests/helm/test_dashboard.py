@@ -38,7 +38,11 @@ ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retr
                   "ray_kvserve_migration_bytes_total", "ray_kvserve_migration_failures_total",
                   "ray_kvserve_migration_sessions_total", "ray_kvserve_worker_draining",
                   "ray_kvserve_stream_moves_total", "ray_kvserve_stream_move_stall_seconds",
-                  "ray_kvserve_stream_move_rounds"}
+                  "ray_kvserve_stream_move_rounds", "ray_kvserve_autoscaler_desired_workers",
+                  "ray_kvserve_autoscaler_workers", "ray_kvserve_autoscaler_decisions_total",
+                  "ray_kvserve_autoscaler_cold_start_seconds",
+                  "ray_kvserve_autoscaler_pressure_to_serving_seconds",
+                  "ray_kvserve_autoscaler_queued_requests"}
 EXPORTED = WORKER_METRICS | INGRESS_METRICS | ROUTER_METRICS
 
 
@@ -55,7 +59,7 @@ def test_dashboard_structure():
     assert variables["datasource"]["query"] == "prometheus"
     assert {"model", "worker"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Migration",
+    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Autoscaling", "Migration",
                     "Per-worker load"]
     exprs = []
     for panel in dash["panels"]:
