@@ -11,7 +11,10 @@ runs the whole engine run first, before Ray starts. Without --host and --port, a
 run starts the service itself (one worker, the same engine settings, device and dtype as
 the in-process engine; on a CUDA host each worker gets a GPU share) and stops it at the end.
 --compare-workers runs the requests through one worker and through --workers N workers of
-the self-started service (kvserve.bench.serve_workers).
+the self-started service (kvserve.bench.serve_workers). --ramp SECONDS:RATE,... sends the
+requests at a rate that changes by segment (low, burst, low); --compare-autoscaling runs such
+a ramp against fixed pools of --min-workers and --max-workers workers and the autoscaled
+pool between them (kvserve.bench.serve_autoscale).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.bench.common import add_async_arg, write_json
+from kvserve.bench.serve_autoscale import compare_autoscaling, parse_ramp, ramp_offsets
 from kvserve.bench.serve_clients import BenchClient, EngineClient, GrpcClient, HttpClient
 from kvserve.bench.serve_dataset import (
     BenchRequest,
@@ -73,6 +77,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="requests per second (inf = all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier")
+    p.add_argument("--ramp", default=None, metavar="SECONDS:RATE,...",
+                   help="a rate that changes by segment, e.g. 20:0.5,40:3,40:0.5 (low, burst, "
+                        "low); the requests are those the segments' arrivals make (instead of "
+                        "--num-prompts and --request-rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
     p.add_argument("--random-input-len", type=int, default=128,
@@ -135,6 +143,17 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     m.add_argument("--migration-rounds", type=int, default=2,
                    help="--compare-migration: rounds of two passes, mirrored (on, off, off, "
                         "on, ...)")
+    s = p.add_argument_group("autoscaling (self-started service)")
+    s.add_argument("--compare-autoscaling", action="store_true",
+                   help="the requests (a --ramp) through fixed pools of --min-workers and "
+                        "--max-workers workers and through the autoscaled pool between them: "
+                        "worker-seconds, TTFT, time parked, requests lost, pressure to serving")
+    s.add_argument("--min-workers", type=int, default=1)
+    s.add_argument("--max-workers", type=int, default=3)
+    s.add_argument("--upscale-delay-s", type=float, default=2.0,
+                   help="the autoscaled pass's (default 2)")
+    s.add_argument("--downscale-delay-s", type=float, default=10.0,
+                   help="the autoscaled pass's (default 10)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -199,7 +218,8 @@ async def bench_one(
     await _start(client)
     try:
         await _warm_up(client, warmups)
-        offsets = arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed)
+        offsets = (a.offsets if getattr(a, "offsets", None)
+                   else arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed))
         with CpuMeter() as meter:
             res, dur = await run_requests(client, requests, offsets, a.max_concurrency,
                                           a.progress, f"bench {client.name}")
@@ -308,6 +328,24 @@ def check_args(a: argparse.Namespace) -> str | None:
     if a.compare_workers and a.kv_cache_tokens is not None and a.kv_cache_tokens // a.workers < 16:
         return (f"--kv-cache-tokens {a.kv_cache_tokens} over {a.workers} workers leaves fewer "
                 "than 16 tokens each")
+    if a.compare_autoscaling:
+        if a.target == "engine" or a.compare_engine or a.compare_migration or \
+                a.compare_workers or a.host or a.port:
+            return "--compare-autoscaling runs a self-started grpc or http service on its own"
+        if not a.ramp:
+            return "--compare-autoscaling needs a --ramp (e.g. 20:0.5,40:3,40:0.5)"
+        if not 1 <= a.min_workers < a.max_workers:
+            return (f"--compare-autoscaling compares --min-workers >= 1 with a larger "
+                    f"--max-workers, got {a.min_workers} and {a.max_workers}")
+        a.workers = a.max_workers  # each worker's threads and GPU share: as the largest pool
+    if a.ramp:
+        try:
+            a.offsets = ramp_offsets(parse_ramp(a.ramp), a.burstiness, a.seed)
+        except ValueError as e:
+            return str(e)
+        if not a.offsets:
+            return f"--ramp {a.ramp} makes no request with --seed {a.seed}"
+        a.num_prompts = len(a.offsets)
     if a.gpus_per_worker is not None and (a.target == "engine" or a.host or a.port):
         return "--gpus-per-worker is for the self-started service (no --host/--port)"
     if a.target == "engine" and a.compare_engine:
@@ -400,8 +438,30 @@ def _bench(a: argparse.Namespace) -> int:
 
     moved: dict[str, Any] | None = None
     scaled: dict[str, Any] | None = None
+    autoscaled: dict[str, Any] | None = None
     try:
-        if a.compare_workers:
+        if a.compare_autoscaling:
+            from kvserve.bench.serve_service import start_service
+            from kvserve.hardware import available_cores
+
+            service = start_service(
+                service_engine(a, a.placement), a.api_key, a.stream_interval_ms,
+                a.min_workers, num_gpus_per_worker=a.placement.gpus_per_worker,
+                # the largest pool fits a local Ray of the host's cores
+                num_cpus_per_worker=min(1.0, available_cores() / a.max_workers),
+                load_poll_interval_s=0.5,
+                autoscaling={"min_workers": a.min_workers, "max_workers": a.max_workers,
+                             "upscale_delay_s": a.upscale_delay_s,
+                             "downscale_delay_s": a.downscale_delay_s})
+            host, port = "127.0.0.1", service.port(a.target)
+
+            async def run_pass(client: BenchClient, reqs: list[BenchRequest],
+                               offsets: list[float], warm: list[BenchRequest]) -> tuple:
+                return await bench_one(client, reqs, warm, a)
+
+            autoscaled = compare_autoscaling(a, service, lambda: _client(a, host, port),
+                                             requests, a.offsets, warmups, run_pass, record)
+        elif a.compare_workers:
             start()
 
             def requests_for(i: int) -> list[BenchRequest]:
@@ -451,6 +511,8 @@ def _bench(a: argparse.Namespace) -> int:
         report["workers"], report["skew"], report["migration"] = a.workers, a.skew, moved
     if scaled is not None:
         report["workers"], report["compare_workers"] = a.workers, scaled
+    if autoscaled is not None:
+        report["compare_autoscaling"] = autoscaled
     if a.compare_engine:
         c = compare(runs["engine"]["metrics"], runs[a.target]["metrics"])
         report["comparison"] = c
@@ -480,4 +542,6 @@ def workload(a: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, A
         w.update(prefix_len=a.prefix_len, num_prefixes=a.num_prefixes)
     if math.isinf(a.request_rate):
         w["request_rate"] = "inf"  # JSON has no Infinity
+    if a.ramp:
+        w["ramp"] = a.ramp
     return w
