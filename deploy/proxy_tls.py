@@ -153,4 +153,7 @@ class HealthPort:
             self._health, interface="asgi3", lifespan="off", access_log=False, log_config=None,
             log_level=None))
         server.install_signal_handlers = lambda: None  # not the main thread (as Serve does)
-        await server.serve(sockets=[sock])
+        try:
+            await server.serve(sockets=[sock])
+        finally:  # cancelled with its loop: the port must not outlive it
+            sock.close()

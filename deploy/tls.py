@@ -114,6 +114,7 @@ def check_running_serve(cfg: ServeConfig) -> None:
 def exposure_warning(cfg: ServeConfig) -> str | None:
     """The banner's warning when the HTTP API binds an address other machines can reach with
     neither TLS nor an API key: anyone on the path can use the APIs and read what they carry."""
+    cfg = cfg.with_proxy_defaults()  # unset fields: the addresses Serve's proxies bind
     if cfg.http_host in ("127.0.0.1", "localhost", "::1") or cfg.http_host.startswith("127."):
         return None
     if cfg.tls or cfg.resolved_api_keys():

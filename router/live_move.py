@@ -125,7 +125,9 @@ async def live_move(src: Worker, dst: Worker, dst_idx: int, request_id: str,
         res.bytes += _nbytes(meta)
         stage = "commit"
         await _ok(dst, "target", dst.call("live_commit", request_id, meta, data), cfg)
-        res.stall_s = time.monotonic() - t1
+        # from the stream's last step on its source (the step under way when the final stage
+        # was asked for still ran there) to its commit on the target
+        res.stall_s = max(0.0, time.monotonic() - t1 - float(meta.get("waited_s", 0.0)))
         stage = "done"
     except BaseException as e:
         await _undo(src, dst, request_id, stage, e)

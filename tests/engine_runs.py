@@ -18,3 +18,23 @@ def run_to_end(eng: Any, on_step: Callable[[Any], None] | None = None) -> dict[s
         if on_step is not None:
             on_step(eng)
     return got
+
+
+async def held_mid_stream(w: Any, rid: str, prompt: list[int], params: dict,
+                          steps: int) -> tuple[Any, list[dict]]:
+    """Request `rid` started on worker body `w` with its engine held: `steps` steps run and
+    its first chunk read; it goes on only once the caller unpauses the engine. Returns the
+    chunk generator and that first chunk."""
+    import asyncio
+    import time
+
+    await w.engine.pause()
+    gen = w.generate(rid, prompt, params)
+    first = asyncio.ensure_future(gen.__anext__())
+    deadline = time.monotonic() + 30
+    while rid not in w.engine.unfinished_ids():
+        assert time.monotonic() < deadline, f"{rid} never reached the engine"
+        await asyncio.sleep(0.01)
+    for _ in range(steps):
+        await w.engine.step()
+    return gen, [await first]

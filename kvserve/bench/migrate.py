@@ -33,7 +33,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS,
                    help="prompt lengths (tokens) of the moved stream")
     p.add_argument("--rounds", type=int, default=2, help="moves per method and context")
-    p.add_argument("--before", type=int, default=24, help="tokens generated before the move")
+    p.add_argument("--before", type=int, default=48,
+                   help="tokens generated before the move (the step-time baseline)")
     p.add_argument("--after", type=int, default=16,
                    help="tokens read from the target after the move (the stream, as long as "
                         "the context allows, is then cancelled)")
@@ -147,7 +148,7 @@ def _one(stub: Any, pb: Any, prompt: list[int], method: str, before: int, after:
     src = res.from_worker
     gaps = [(t1 - t0, t1) for (t0, *_), (t1, *_) in zip(arrivals, arrivals[1:], strict=False)]
     t_move = move["t0"]
-    base = [g for g, t in gaps if t <= t_move][-16:]
+    base = [g for g, t in gaps if t <= t_move][-32:]
     last_src = max(t for t, w, _ in arrivals if w == src)
     first_dst = min(t for t, w, _ in arrivals if w != src)
     during = [g for g, t in gaps if t_move < t <= last_src]

@@ -6,6 +6,18 @@
 # static_decode_anchor.py (the plain-torch CUDA-graph yardstick). Logs go to $OUT (default
 # ./gpu-logs), one file per group.
 #
+# Quick (step `quick`, run first whenever a GPU is lent: one device call of at most 8
+# minutes, scripts/gpu/quick.sh says what it runs): the CUDA tests of the round-two code,
+# the yardstick and bench batched, bench pressure, bench throughput against the roofline
+# with asynchronous scheduling on and off; $OUT/summary.txt sets each figure beside its target.
+#   here, once, in the checkout the device tool sends (both folders git-ignored):
+#     bash scripts/gpu/quick_wheels.sh && rm -rf .gpu && cp -r ../shared/gpu .gpu
+#     QUICK_DRY=1 PY=.venv/bin/python bash scripts/gpu/run.sh quick   # the CPU dry run (~10 min)
+#   the call: run(command="GPU_SHARED=.gpu bash scripts/gpu/run.sh quick",
+#                 carry=[".whl/quick", ".gpu"], timeout_s=540)
+#   then: the figures of summary.txt, with the device and date it names, into docs/benchmarks.md
+#   ("GPU (H100)"); quick.log holds every part's output.
+#
 # Engine (step `engine`, under a device call's 10 minutes): where the time goes in the
 # pressure run and LLM.generate (scripts/gpu/profile_engine.py: torch.profiler and host
 # timers), host work per decode step (bench hoststep), and asynchronous scheduling on and
@@ -31,6 +43,8 @@
 # eager and in CUDA graphs; a killed rank), then `bench tp` at sizes 1, 2 (and 4 with 4 GPUs)
 # on the Llama-3.2-1B-shape model; on one GPU the tests report "needs 2 CUDA GPUs".
 set -u
+# quick: its own script (scripts/gpu/quick.sh: its wheels, models, budget and summary)
+if [ "${1:-}" = quick ]; then shift; exec bash scripts/gpu/quick.sh "$@"; fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 G=${GPU_SHARED:-../shared/gpu}

@@ -125,6 +125,25 @@ async def _until(what: str, probe: Any, done: Any, timeout: float = 120.0) -> An
         await asyncio.sleep(0.05)
 
 
+async def _burst_parked_on_worker0(cluster: Any, svc: Service, w0: Any, n: int,
+                                    session: str) -> tuple[list[asyncio.Task], dict[str, Any]]:
+    """`n` requests of one session, all on worker 0 with its engine held (the caller pauses
+    it), stepped by hand until its tiny pool has parked some of them while others run:
+    (the requests' tasks, worker 0's load then)."""
+    await _session_on_worker0(cluster, session)
+    tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
+    await _until("the streams never all reached worker 0", w0.load.remote,
+                 lambda ld: ld["waiting"] == n)
+    # admitted together, their KV outgrows the tiny pool: some are evicted (parked)
+    load = await w0.step_engine.remote()
+    for _ in range(200):
+        if load["parked"]:
+            break
+        load = await w0.step_engine.remote()
+    assert load["parked"] and load["running"], load
+    return tasks, load
+
+
 def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
     """Worker 0's engine is held while the streams arrive, then stepped by hand until its
     pool has parked some of them; held, it cannot restore them, so only the planner (off
@@ -142,18 +161,8 @@ def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
         await w0.pause_engine.remote()  # (planned migrations are off: nothing moves yet)
         tasks: list[asyncio.Task] = []
         try:
-            session = await _session_on_worker0(cluster, "hot")
-            tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
-            await _until("the streams never all reached worker 0", w0.load.remote,
-                         lambda ld: ld["waiting"] == n)
-            # admitted together, their KV outgrows the tiny pool: some are evicted (parked)
-            load = await w0.step_engine.remote()
-            for _ in range(200):
-                if load["parked"]:
-                    break
-                load = await w0.step_engine.remote()
+            tasks, load = await _burst_parked_on_worker0(cluster, svc, w0, n, "hot")
             parked = {p["request_id"] for p in load["parked_streams"]}
-            assert parked and load["running"], load
             start = await moved_in()
             await cluster.set_migration.remote(True)
             try:
@@ -367,16 +376,7 @@ def test_pressured_worker_moves_running_streams_live(cluster, svc, smol_llm):
         await w0.pause_engine.remote()
         tasks: list[asyncio.Task] = []
         try:
-            session = await _session_on_worker0(cluster, "rebalance")
-            tasks = [asyncio.create_task(_run(svc, i, session)) for i in range(n)]
-            await _until("the streams never all reached worker 0", w0.load.remote,
-                         lambda ld: ld["waiting"] == n)
-            load = await w0.step_engine.remote()
-            for _ in range(200):
-                if load["parked"]:
-                    break
-                load = await w0.step_engine.remote()
-            assert load["parked"] and load["running"], load
+            tasks, load = await _burst_parked_on_worker0(cluster, svc, w0, n, "rebalance")
             start = await live_in()
             await cluster.set_migration.remote(True, True, 1e9)  # running streams only
             try:

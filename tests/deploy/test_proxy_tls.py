@@ -229,3 +229,6 @@ def test_health_port_answers_serves_health_check_in_plaintext(pki, hooked):
     assert out["health"] == (200, "hello /-/healthz")  # the proxy's own answer
     assert out["other"] == (404, "only /-/healthz here")  # nothing else in plaintext
     assert out["api"] == (200, "hello /v1/models")
+    from kvserve.deploy.serve_stop import port_in_use
+
+    assert not port_in_use(health)  # closed with the proxy's loop, not left listening

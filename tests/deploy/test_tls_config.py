@@ -204,20 +204,20 @@ def test_banner_lines(pki, monkeypatch, capsys):
                         lambda: ray_endpoints.RayEndpoints("", "127.0.0.1", 8080, False))
     files = {"ssl_certfile": str(pki.server_cert), "ssl_keyfile": str(pki.server_key)}
     serve_cli._print_banner(ServeConfig(http_host="0.0.0.0"),
-                            serve_cli.Endpoints("127.0.0.1:9000", "http://127.0.0.1:8000"))
+                            serve_cli.Endpoints("127.0.0.1:9000", "http://127.0.0.1:8000"), {})
     out = capsys.readouterr().out
     assert "  HTTP       http://127.0.0.1:8000/v1   (OpenAI API" in out
     (warning,) = [ln for ln in out.splitlines() if ln.startswith("  WARNING    ")]
     assert "listen on 0.0.0.0" in warning and "neither TLS nor an API key" in warning
     serve_cli._print_banner(ServeConfig(http_host="0.0.0.0", **files, ssl_ca_certs=str(pki.ca)),
-                            serve_cli.Endpoints("127.0.0.1:9000", "https://127.0.0.1:8000"))
+                            serve_cli.Endpoints("127.0.0.1:9000", "https://127.0.0.1:8000"), {})
     out = capsys.readouterr().out
     assert "  HTTP       https://127.0.0.1:8000/v1   (TLS, client certificates required; " in out
     assert "(TLS, client certificates required; kvserve generate --server 127.0.0.1:9000 " \
            "--tls --cert CERT.pem --key KEY.pem --prompt" in out
     assert "WARNING" not in out
     serve_cli._print_banner(ServeConfig(**files),
-                            serve_cli.Endpoints("127.0.0.1:9000", "https://127.0.0.1:8000"))
+                            serve_cli.Endpoints("127.0.0.1:9000", "https://127.0.0.1:8000"), {})
     out = capsys.readouterr().out
     assert "(TLS; OpenAI API" in out and "--server 127.0.0.1:9000 --tls --prompt" in out
 

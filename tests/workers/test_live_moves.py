@@ -11,6 +11,7 @@ import json
 import time
 
 import pytest
+from engine_runs import held_mid_stream
 from tiny_models import tiny_model_path
 
 from kvserve.router.live_move import LiveMoveConfig, LocalWorker, MoveFailed, live_move
@@ -55,16 +56,7 @@ async def whole(w: WorkerActor, rid: str, params: dict) -> list[dict]:
 
 async def held(w: WorkerActor, rid: str, params: dict, steps: int) -> tuple[object, list[dict]]:
     """`rid` started on `w` with its engine held after `steps` steps; its first chunk read."""
-    await w.engine.pause()
-    gen = w.generate(rid, ids(w), params)
-    first = asyncio.ensure_future(gen.__anext__())
-    deadline = time.monotonic() + 30
-    while rid not in w.engine.unfinished_ids():
-        assert time.monotonic() < deadline, f"{rid} never reached the engine"
-        await asyncio.sleep(0.01)
-    for _ in range(steps):
-        await w.engine.step()
-    return gen, [await first]
+    return await held_mid_stream(w, rid, ids(w), params, steps)
 
 
 def joined(chunks: list[dict]) -> tuple[list[int], str]:

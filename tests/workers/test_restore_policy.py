@@ -7,6 +7,7 @@ write-backs and demotions, and the start-up calibration leaves the engine as new
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -189,9 +190,8 @@ def test_snapshot_from_a_copying_engine_recomputed_by_policy(tiny, reference):
     assert_clean(dst)
 
 
-def test_worker_metrics_export_decisions_and_figures(monkeypatch):
-    """WorkerMetrics.poll turns the engine's decision counts into counter increments by
-    (decision, reason), and the measured figures into gauges by direction."""
+def recorded_worker_metrics(monkeypatch) -> tuple[Any, list[tuple[str, str, float, dict]]]:
+    """A WorkerMetrics whose Ray metrics record their calls: (it, the calls)."""
     import ray.util.metrics as rm
 
     from kvserve.workers import metrics
@@ -219,7 +219,13 @@ def test_worker_metrics_export_decisions_and_figures(monkeypatch):
     monkeypatch.setattr(metrics, "_in_actor", lambda: True)
     for name in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(rm, name, Metric)
-    m = metrics.WorkerMetrics("tiny", "worker-0")
+    return metrics.WorkerMetrics("tiny", "worker-0"), log
+
+
+def test_worker_metrics_export_decisions_and_figures(monkeypatch):
+    """WorkerMetrics.poll turns the engine's decision counts into counter increments by
+    (decision, reason), and the measured figures into gauges by direction."""
+    m, log = recorded_worker_metrics(monkeypatch)
     zeroed = {tuple(sorted(t.items())) for k, n, _, t in log if k == "zero" and n == "kvserve_kv_restores"}
     assert len(zeroed) == 6  # every (decision, reason) exported from the start
     stats = {"restores_copy_cheaper_to_copy": 3, "restores_recompute_policy": 1,
@@ -241,35 +247,12 @@ def test_worker_metrics_export_decisions_and_figures(monkeypatch):
 def test_recomputed_tokens_reach_the_worker_metric(monkeypatch, tmp_path_factory):
     """A run that recomputes (no host tier: every eviction is recomputed) counts the tokens in
     the engine's stats, and WorkerMetrics.poll exports exactly that growth."""
-    import ray.util.metrics as rm
     from engine_runs import run_to_end
     from tiny_models import tiny_model_path
 
     from kvserve import LLM, SamplingParams
-    from kvserve.workers import metrics
 
-    incs: list[float] = []
-
-    class Metric:
-        def __init__(self, name: str, *a, **kw) -> None:
-            self.name = name
-
-        def set_default_tags(self, tags: dict) -> Metric:
-            return self
-
-        def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
-            if self.name == "kvserve_kv_recomputed_tokens":
-                incs.append(value)
-
-        def set(self, *a, **kw) -> None:
-            pass
-
-        _record = observe = set
-
-    monkeypatch.setattr(metrics, "_in_actor", lambda: True)
-    for name in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(rm, name, Metric)
-    m = metrics.WorkerMetrics("tiny", "worker-0")
+    m, log = recorded_worker_metrics(monkeypatch)
     # four streams whose answers do not fit the 24-block pool together: some are evicted
     eng = LLM(tiny_model_path(tmp_path_factory), kv_cache_tokens=24 * 4, block_size=4,
               host_cache_gib=0, admission_lookahead_tokens=0).engine
@@ -279,4 +262,5 @@ def test_recomputed_tokens_reach_the_worker_metric(monkeypatch, tmp_path_factory
     run_to_end(eng, lambda e: m.poll(e.stats(), 0))
     recomputed = eng.stats()["tokens_recomputed"]
     assert eng.stats()["evictions"] > 0 and recomputed > 0
-    assert sum(incs) == recomputed
+    assert sum(v for k, n, v, _ in log
+               if k == "inc" and n == "kvserve_kv_recomputed_tokens") == recomputed

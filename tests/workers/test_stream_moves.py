@@ -9,6 +9,7 @@ import time
 
 import msgpack
 import pytest
+from engine_runs import held_mid_stream
 
 from kvserve.workers.worker_actor import WorkerActor
 
@@ -50,16 +51,7 @@ async def _whole(w: WorkerActor, rid: str) -> tuple[list[int], str, dict]:
 async def _held_mid_stream(w: WorkerActor, rid: str, steps: int) -> tuple[object, list[dict]]:
     """`rid` started on `w` with its engine held: `steps` steps run and its first chunk
     read; it cannot finish (or go on) until the caller unpauses the engine."""
-    await w.engine.pause()
-    gen = w.generate(rid, _ids(w), PARAMS)
-    first = asyncio.ensure_future(gen.__anext__())
-    deadline = time.monotonic() + 30
-    while rid not in w.engine.unfinished_ids():
-        assert time.monotonic() < deadline, f"{rid} never reached the engine"
-        await asyncio.sleep(0.01)
-    for _ in range(steps):
-        await w.engine.step()
-    return gen, [await first]
+    return await held_mid_stream(w, rid, _ids(w), PARAMS, steps)
 
 
 def test_moved_stream_continues_without_repeats(pair):

@@ -169,7 +169,8 @@ class AsyncLLMEngine:
 
     async def live_freeze(self, request_id: str) -> tuple[dict[str, Any], Any]:
         """The final stage: the stream stops here; (meta with its state, the last blocks)."""
-        return await self._call(lambda: self._live_freeze(request_id))
+        asked = time.monotonic()
+        return await self._call(lambda: self._live_freeze(request_id, asked))
 
     async def live_finish(self, request_id: str, target: int) -> bool:
         """The target committed: free the stream here; its consumer continues on `target`.
@@ -475,7 +476,8 @@ class AsyncLLMEngine:
         src.observe(meta["blocks"], time.perf_counter() - t0)
         return meta, data
 
-    def _live_freeze(self, rid: str) -> tuple[dict, Any]:
+    def _live_freeze(self, rid: str, asked: float) -> tuple[dict, Any]:
+        waited = time.monotonic() - asked  # the step under way when it was asked for ran on
         src = self._source(rid)
         # asynchronous scheduling: the stream's tokens in flight go to its consumer first
         self._deliver(self.engine.flush())
@@ -488,6 +490,7 @@ class AsyncLLMEngine:
         if st is not None:  # waits for the verdict, as an exported stream's consumer
             self._moving[rid] = st
         self._refresh()
+        meta["waited_s"] = waited
         return meta, data
 
     def _live_finish(self, rid: str, target: int) -> bool:
