@@ -6,6 +6,7 @@ wait while no worker serves. The real router and Ray: tests/deploy/test_autoscal
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -106,7 +107,8 @@ def test_the_load_counts_parked_streams_and_starting_workers():
     assert (load.serving, load.starting, load.draining) == (0, 1, 1)
 
 
-def test_pressure_held_for_the_delay_starts_one_worker_and_its_cold_start_is_reported():
+def test_pressure_held_for_the_delay_starts_one_worker_and_its_cold_start_is_reported(caplog):
+    caplog.set_level(logging.WARNING, logger="kvserve.router.scaler")
     s, r, m, clock = _scaler(1)
     r.views[0].kv_blocks_free, r.views[0].inflight = 0, 6
     r.mover.parked = {0: [ParkedStream("a", 1.0, 12)]}
@@ -117,6 +119,8 @@ def test_pressure_held_for_the_delay_starts_one_worker_and_its_cold_start_is_rep
     assert (d.direction, d.reason, d.current, d.desired) == ("up", "kv_pressure", 1, 2)
     assert len(r.views) == 2 and s.starts[1][1] is d
     assert ("decided", "up", "kv_pressure") in m.calls
+    assert "autoscaler: up from 1 to 2 workers (kv_pressure: KV use 1.38 with 1 parked streams " \
+        "counted (>= 0.9); 2 workers hold it at 0.7; wanted for 2.5 s)" in caplog.text
     assert m.calls[-1] == ("pool", 2, 1, 1, 0, 0)  # desired 2: one serving, one starting
     clock.t += 2.5
     assert s.tick() is None  # the starting worker is the capacity the load wanted
@@ -128,6 +132,8 @@ def test_pressure_held_for_the_delay_starts_one_worker_and_its_cold_start_is_rep
     assert cold == {"worker_id": "worker-1", "reason": "kv_pressure", "cold_start_s": 12.5,
                     "pressure_to_serving_s": 15.0, "load_s": 8.0}
     assert m.calls[-1] == ("started", 12.5, 15.0)
+    assert "worker-1 serves 12.5 s after the decision (model load 8.0 s), 15.0 s after the " \
+        "load first wanted it" in caplog.text
     assert s.info()["decisions"] == {"up:kv_pressure": 1}
 
 
