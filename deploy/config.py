@@ -111,6 +111,23 @@ class ServeConfig(BaseModel):
                     "workers 25 chunks/s per worker shared by its streams (at most 250 ms apart)",
     )
 
+    loras: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at start, name -> PEFT adapter directory or Hub id "
+                    "(org/name[@rev]); also a list of 'NAME=PATH' or {name, path}. Requests "
+                    "name one in `model`",
+    )
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (on when `loras` names any): adapters can be "
+                           "loaded at run time (POST /v1/load_lora_adapter, LoadLoraAdapter)")
+    max_loras: int = Field(4, ge=1, le=256,
+                           description="LoRA adapters in device slots per worker (one step "
+                                       "mixes at most this many)")
+    max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest LoRA rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept in host memory per worker (least recently "
+                                "used dropped beyond it); None = 4 x max_loras")
+
     migration: bool = Field(
         True, description="the router moves streams by itself: parked ones to workers with "
                           "room, running ones off pressured workers (migration_rebalance)"
@@ -146,6 +163,28 @@ class ServeConfig(BaseModel):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _lora_list(cls, v: Any) -> Any:
+        """A list of 'NAME=PATH' strings or {name, path} objects (the CLI's, the chart's)."""
+        if not isinstance(v, list):
+            return v
+        out: dict[str, str] = {}
+        for item in v:
+            if isinstance(item, str) and "=" in item:
+                name, path = item.split("=", 1)
+            elif isinstance(item, dict) and set(item) == {"name", "path"}:
+                name, path = item["name"], item["path"]
+            else:
+                raise ValueError(f"a LoRA adapter is NAME=PATH or {{name, path}}, got {item!r}")
+            name, path = str(name).strip(), str(path).strip()
+            if not name or not path:
+                raise ValueError(f"a LoRA adapter needs a name and a path, got {item!r}")
+            if name in out:
+                raise ValueError(f"LoRA adapter {name!r} is named twice")
+            out[name] = path
+        return out
 
     @field_validator("routing_policy")
     @classmethod
@@ -198,6 +237,18 @@ class ServeConfig(BaseModel):
     def tls(self) -> bool:
         """Whether both APIs serve TLS."""
         return bool(self.ssl_certfile)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _one_model(cls, v: Any) -> Any:
+        # `--model` given more than once, or a list in a config: one base model per service
+        if isinstance(v, (list, tuple)):
+            if len(v) > 1:
+                raise ValueError(
+                    f"{len(v)} base models given ({', '.join(map(str, v))}); a service serves "
+                    "one base model (with its LoRA adapters): deploy one service per base model")
+            v = v[0] if v else None
+        return v
 
     @field_validator("engine")
     @classmethod
@@ -255,8 +306,21 @@ class ServeConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
+        lora: dict[str, Any] = {}
+        if self.loras or self.enable_lora:
+            lora = {"loras": self.loras, "enable_lora": True, "max_loras": self.max_loras,
+                    "max_lora_rank": self.max_lora_rank, "max_cpu_loras": self.max_cpu_loras}
         return EngineConfig(**{**self.engine, "model": self.model,
-                               "tensor_parallel_size": self.tensor_parallel_size})
+                               "tensor_parallel_size": self.tensor_parallel_size, **lora})
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> ServeConfig:
+        if self.loras or self.enable_lora:
+            name = self.model_name() if self.served_model_name or self.model is None else None
+            if name is not None and name in self.loras:
+                raise ValueError(f"LoRA adapter name {name!r} is the served model's name")
+            self.engine_config()  # the engine's own checks (max_cpu_loras, names, TP)
+        return self
 
     def resolved_api_keys(self) -> list[str]:
         """Configured keys plus those in $KVSERVE_API_KEYS (comma separated)."""

@@ -140,7 +140,7 @@ def _stream_response(
     return pb.GenerateStreamResponse(
         request_id=req.request_id, delta_text=text, delta_token_ids=c["token_ids"],
         finish_reason=finish, stop_reason=c["stop_reason"] or "",
-        usage=_usage(c["usage"]), worker_id=c["worker_id"], model=svc.model_name,
+        usage=_usage(c["usage"]), worker_id=c["worker_id"], model=req.lora or svc.model_name,
         logprobs=_logprobs(svc, c["token_ids"], c.get("logprobs"), c.get("top_logprobs")),
         tool_calls=[pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
                                      arguments=d.arguments) for d in deltas],
@@ -166,11 +166,12 @@ def autoscaling_info(a: dict[str, Any] | None) -> pb.AutoscalingInfo | None:
         upscale_delay_s=a["upscale_delay_s"], downscale_delay_s=a["downscale_delay_s"])
 
 
-def _check_model(svc: Service, request: Any) -> None:
+async def _check_model(svc: Service, request: Any) -> str | None:
+    """The LoRA adapter the request's `model` names (None: the base model)."""
     if request.model == INVALID_UTF8_MARKER:
         raise ServiceError("invalid", "the request could not be parsed: a string field is not "
                                       "valid UTF-8 (or the message is malformed)")
-    svc.check_model(request.model)
+    return await svc.resolve_model(request.model)
 
 
 def _fail(ctx: Any, e: ServiceError) -> ServiceError:
@@ -193,7 +194,7 @@ class GrpcFrontend:
     ) -> tuple[GenRequest, ToolPlan | None]:
         """The request, and its tools when its answer may hold calls."""
         svc = self._authed(ctx)
-        _check_model(svc, request)
+        lora = await _check_model(svc, request)
         if (size := request.ByteSize()) > svc.cfg.max_request_bytes:
             raise ServiceError("too_large", f"request message has {size} bytes; the server's "
                                             f"limit is {svc.cfg.max_request_bytes} (max_request_bytes)")
@@ -209,7 +210,8 @@ class GrpcFrontend:
         else:
             ids = svc.tokenize(prompt=request.prompt, prompt_ids=list(request.prompt_token_ids))
         session = request.session_id if request.HasField("session_id") else None
-        req = svc.build(ids, sampling, session, request.request_id or None, default_max_tokens=16)
+        req = svc.build(ids, sampling, session, request.request_id or None, default_max_tokens=16,
+                        lora=lora)
         return req, plan if plan is not None and plan.returns_calls else None
 
     async def _unary(self, request: Any, ctx: Any, chat: bool) -> pb.GenerateResponse:
@@ -228,7 +230,7 @@ class GrpcFrontend:
             request_id=r.request_id, text=text, token_ids=r.token_ids,
             finish_reason=_calls_finish(r.finish_reason, bool(calls)),
             stop_reason=r.stop_reason or "", usage=_usage(r.usage),
-            worker_id=r.worker_id, model=self.service.model_name,
+            worker_id=r.worker_id, model=req.lora or self.service.model_name,
             logprobs=_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs),
             tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
         )
@@ -272,7 +274,7 @@ class GrpcFrontend:
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: Any) -> pb.TokenizeResponse:
         try:
             svc = self._authed(grpc_context)
-            _check_model(svc, request)
+            await _check_model(svc, request)
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
             ids = svc.tokenize(prompt=request.prompt, messages=msgs or None)
         except ServiceError as e:
@@ -284,10 +286,13 @@ class GrpcFrontend:
     ) -> pb.ListModelsResponse:
         try:
             svc = self._authed(grpc_context)
+            await svc.refresh_models()
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
         return pb.ListModelsResponse(models=[pb.ModelInfo(
-            id=svc.model_name, max_model_len=svc.max_model_len, owned_by="kvserve")])
+            id=m["id"], max_model_len=m["max_model_len"], owned_by=m["owned_by"],
+            parent=m["parent"] or "", root=m["root"], lora_rank=m.get("lora_rank", 0))
+            for m in svc.models()])
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, grpc_context: Any
@@ -311,6 +316,8 @@ class GrpcFrontend:
                 streams=[pb.StreamInfo(request_id=s["request_id"], state=s["state"],
                                        tokens=s["tokens"], kv_blocks=s["blocks"])
                          for s in w.get("streams", [])],
+                lora_device=w.get("loras", {}).get("device", []),
+                lora_host=w.get("loras", {}).get("host", []),
             )
             for w in info["workers"]
         ]
@@ -331,6 +338,27 @@ class GrpcFrontend:
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
         return pb.MoveStreamResponse(**res)
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, grpc_context: Any
+    ) -> pb.LoadLoraAdapterResponse:
+        try:
+            svc = self._authed(grpc_context)
+            res = await svc.load_lora(request.lora_name, request.lora_path)
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        return pb.LoadLoraAdapterResponse(lora_name=res["name"], rank=res["rank"],
+                                          modules=res["modules"])
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, grpc_context: Any
+    ) -> pb.UnloadLoraAdapterResponse:
+        try:
+            svc = self._authed(grpc_context)
+            await svc.unload_lora(request.lora_name)
+        except ServiceError as e:
+            raise _fail(grpc_context, e) from None
+        return pb.UnloadLoraAdapterResponse(lora_name=request.lora_name)
 
     async def DrainWorker(
         self, request: pb.DrainWorkerRequest, grpc_context: Any

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
 from kvserve.deploy import admin, auth, grafana, limits, metrics
@@ -94,19 +94,32 @@ class KVServeIngress(GrpcFrontend):
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": self.service.model_name, "object": "model", "created": 0,
-            "owned_by": "kvserve", "max_model_len": self.service.max_model_len}]}
+        await self.service.refresh_models()
+        return {"object": "list", "data": self.service.models()}
 
     @app.post("/v1/completions")
     async def completions(self, body: oa.CompletionRequest) -> Any:
-        req = oa.completion_request(self.service, body)
+        lora = await self.service.resolve_model(body.model)
+        req = oa.completion_request(self.service, body, lora)
         return await oa.respond(self.service, req, body, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: oa.ChatRequest) -> Any:
-        req = oa.chat_request(self.service, body)
+        lora = await self.service.resolve_model(body.model)
+        req = oa.chat_request(self.service, body, lora)
         return await oa.respond(self.service, req, body, "chat")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: oa.LoadLoraRequest) -> PlainTextResponse:
+        if body.load_inplace and body.lora_name in self.service.loras:
+            await self.service.unload_lora(body.lora_name)
+        await self.service.load_lora(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: oa.UnloadLoraRequest) -> PlainTextResponse:
+        await self.service.unload_lora(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/admin/drain")
     async def drain(self, body: admin.DrainRequest) -> dict[str, Any]:

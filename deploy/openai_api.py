@@ -199,19 +199,19 @@ def _sampling(body: _SamplingFields, kind: str) -> dict[str, Any]:
     return sampling
 
 
-def completion_request(svc: Service, body: CompletionRequest) -> GenRequest:
-    svc.check_model(body.model)
+def completion_request(svc: Service, body: CompletionRequest, lora: str | None = None) -> GenRequest:
+    """`lora`: the adapter `body.model` names (`Service.resolve_model`)."""
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         if len(p) != 1:
             raise ServiceError("invalid", "only one prompt per request is supported")
         p = p[0]
     ids = svc.tokenize(prompt=p) if isinstance(p, str) else svc.tokenize(prompt_ids=list(p))
-    return svc.build(ids, _sampling(body, "completion"), body.session_id, default_max_tokens=16)
+    return svc.build(ids, _sampling(body, "completion"), body.session_id, default_max_tokens=16,
+                     lora=lora)
 
 
-def chat_request(svc: Service, body: ChatRequest) -> GenRequest:
-    svc.check_model(body.model)
+def chat_request(svc: Service, body: ChatRequest, lora: str | None = None) -> GenRequest:
     if not body.messages:
         raise ServiceError("invalid", "messages are empty")
     sampling = _sampling(body, "chat")
@@ -223,7 +223,26 @@ def chat_request(svc: Service, body: ChatRequest) -> GenRequest:
     body._plan = plan
     ids = svc.tokenize(messages=[m.for_template() for m in body.messages],
                        tools=plan.tools() if plan else None)
-    return svc.build(ids, sampling, body.session_id)
+    return svc.build(ids, sampling, body.session_id, lora=lora)
+
+
+class LoadLoraRequest(BaseModel):
+    """Body of POST /v1/load_lora_adapter (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM's: replace an adapter loaded under the name
+
+
+class UnloadLoraRequest(BaseModel):
+    """Body of POST /v1/unload_lora_adapter (vLLM's; `lora_int_id` is accepted, unused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 async def respond(
@@ -260,7 +279,7 @@ async def respond(
                 choice["message"] = {"role": "assistant", "content": r.text}
             choices.append(choice)
         return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
-                "created": created, "model": svc.model_name, "choices": choices,
+                "created": created, "model": req.lora or svc.model_name, "choices": choices,
                 "usage": _usage(_total_usage([r.usage for r in results])),
                 "kvserve_worker": results[0].worker_id}
 
@@ -271,7 +290,8 @@ async def respond(
         leases.close()
         raise
     return LeasedStreamingResponse(
-        _sse(svc, chunks, first, rid, created, kind, body.include_usage(), _plan(body)), leases,
+        _sse(svc, chunks, first, rid, created, kind, body.include_usage(), _plan(body),
+             req.lora or svc.model_name), leases,
         media_type="text/event-stream",
     )
 
@@ -314,6 +334,7 @@ def _total_usage(usages: list[list[int]]) -> list[int]:
 async def _sse(
     svc: Service, chunks: AsyncIterator[tuple[int, dict[str, Any]]], first: tuple[int, dict[str, Any]],
     rid: str, created: int, kind: str, include_usage: bool, plan: ToolPlan | None = None,
+    model: str = "",
 ) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     lps = _Logprobs(svc, kind)
@@ -346,7 +367,7 @@ async def _sse(
             choice = {"index": i, "delta": delta, "finish_reason": finish,
                       "logprobs": lp}
         last[i] = c
-        payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
+        payload = {"id": rid, "object": obj, "created": created, "model": model,
                    "choices": [choice], "kvserve_worker": c["worker_id"]}
         return f"data: {json.dumps(payload)}\n\n"
 
@@ -361,7 +382,7 @@ async def _sse(
         await chunks.aclose()
     if include_usage:
         usage = _total_usage([last[i]["usage"] for i in sorted(last)])
-        payload = {"id": rid, "object": obj, "created": created, "model": svc.model_name,
+        payload = {"id": rid, "object": obj, "created": created, "model": model,
                    "choices": [], "usage": _usage(usage)}
         yield f"data: {json.dumps(payload)}\n\n"
     yield "data: [DONE]\n\n"

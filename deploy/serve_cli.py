@@ -310,6 +310,24 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     if cfg.tensor_parallel_size > 1:
         check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
     context_limit(model_config, cfg.engine_config())
+    _check_adapters(cfg, model_config)
+
+
+def _check_adapters(cfg: ServeConfig, model_config: Any) -> None:
+    """A bad --lora adapter in a directory this machine has (another base model's, a rank
+    above --max-lora-rank, corrupt files) fails here in one line, before Ray starts; one
+    only the workers' nodes have, or a Hub id, the workers check as they start."""
+    from kvserve.errors import AdapterError
+    from kvserve.workers.loading.lora import load_adapter
+
+    for name, source in cfg.loras.items():
+        local = os.path.expanduser(source)
+        if not os.path.isdir(local):
+            continue
+        try:
+            load_adapter(local, model_config, cfg.max_lora_rank)
+        except AdapterError as e:
+            raise AdapterError(f"--lora {name}={source}: {e}") from None
 
 
 def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:
@@ -391,6 +409,10 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
           f"{ep.grpc_target}{client_tls} --prompt ...)")
     print(f"  HTTP       {ep.http_url}/v1   ({_tls_note(cfg)}OpenAI API: /v1/completions, "
           "/v1/chat/completions)")
+    if cfg.loras or cfg.enable_lora:
+        names = ", ".join(cfg.loras) or "none yet"
+        print(f"  LoRA       {names}   (as `model`; {cfg.max_loras} device slots per worker; "
+              "POST /v1/load_lora_adapter to add)")
     print(f"  metrics    {ray_ep.metrics_url}   (Prometheus; kvserve's series are ray_kvserve_*)")
     if ray_ep.dashboard_url:
         auth = f"   ({token_hint()})" if ray_ep.token_auth else ""
@@ -454,7 +476,9 @@ def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
     from kvserve.models import MODEL_HELP
 
-    s.add_argument("--model", default=None, help=MODEL_HELP)
+    # appended so a second --model is refused (ServeConfig), never silently the last one
+    s.add_argument("--model", action="append", default=None,
+                   help=f"{MODEL_HELP}; one per service")
     s.add_argument("--workers", type=int, default=None,
                    help="worker actors, one engine each (default 1); with autoscaling, the "
                         "workers it starts with (default: max(1, --min-workers))")
@@ -524,6 +548,17 @@ def add_serve_parser(sub: Any) -> None:
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
+    lo = s.add_argument_group("LoRA adapters")
+    lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a PEFT LoRA adapter (directory or Hub id) served as model NAME "
+                         "(repeatable); turns LoRA on")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter)")
+    lo.add_argument("--max-loras", type=int, default=4,
+                    help="adapters in device slots per worker (a step mixes at most this many)")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    lo.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters kept in host memory per worker (default 4 x --max-loras)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -575,5 +610,7 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
         stream_interval_ms=a.stream_interval_ms, max_request_bytes=a.max_request_bytes,
         shutdown_grace_s=a.shutdown_grace_s, ssl_certfile=a.ssl_certfile,
         ssl_keyfile=a.ssl_keyfile, ssl_ca_certs=a.ssl_ca_certs,
+        loras=list(a.lora), enable_lora=a.enable_lora, max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras,
         wait_for_all_workers=a.wait_for_all_workers, placement_timeout_s=a.placement_timeout_s,
     )

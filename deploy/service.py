@@ -54,6 +54,7 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     session_id: str | None = None
+    lora: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
 @dataclass
@@ -97,10 +98,13 @@ class Service:
         # set when this replica stops its requests for good (the app shutting down past
         # its grace period): the message they end with
         self.stopping: str | None = None
+        # LoRA adapters by name, as the router last listed them (their KV hash roots)
+        self.loras: dict[str, dict[str, Any]] = {}
 
     async def start(self) -> None:
         info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
         await self._refresh_workers()
+        await self._refresh_loras()
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.block_size = int(info["block_size"])
@@ -114,11 +118,72 @@ class Service:
         if not key_matches(key, self.api_keys):
             raise ServiceError("unauthenticated", "invalid API key")
 
-    def check_model(self, name: str | None) -> None:
-        if name and name not in (self.model_name, "default"):
-            raise ServiceError(
-                "not_found", f"model {name!r} is not served here; available: {self.model_name!r}"
-            )
+    async def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model (also
+        "default", or empty); NOT_FOUND for anything else. `base:adapter` (Ray Serve LLM's
+        form) names the adapter too."""
+        if not name or name in (self.model_name, "default"):
+            return None
+        lora = name
+        base, sep, rest = name.partition(":")
+        if sep and base in (self.model_name, "default") and rest:
+            lora = rest
+        if lora not in self.loras:  # loaded since (through another replica): ask the router
+            await self._refresh_loras()
+        if lora in self.loras:
+            return lora
+        served = [self.model_name, *self.loras]
+        raise ServiceError("not_found", f"model {name!r} is not served here; available: "
+                                        f"{', '.join(repr(m) for m in served)}")
+
+    async def refresh_models(self) -> None:
+        """The LoRA adapters as the router lists them now (for /v1/models, ListModels)."""
+        await self._refresh_loras()
+
+    async def _refresh_loras(self) -> None:
+        try:
+            listing = await self.router.list_loras.remote()
+        except RayActorError:
+            raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
+        self.loras = {d["name"]: d for d in listing}
+
+    def models(self) -> list[dict[str, Any]]:
+        """The base model and its LoRA adapters (each naming its parent), as last listed."""
+        out = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+                "root": self.cfg.model or self.model_name, "parent": None,
+                "max_model_len": self.max_model_len}]
+        for name, d in self.loras.items():
+            out.append({"id": name, "object": "model", "created": int(d.get("created", 0)),
+                        "owned_by": "kvserve", "root": d["source"], "parent": self.model_name,
+                        "max_model_len": self.max_model_len, "lora_rank": d.get("rank", 0)})
+        return out
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load a LoRA adapter on every worker (all or none); ServiceError "invalid" for a
+        bad adapter or name."""
+        if not name or not isinstance(name, str) or ":" in name or name in (
+                self.model_name, "default"):
+            raise ServiceError("invalid", f"lora_name {name!r}: a LoRA adapter needs a name "
+                                          "other than the base model's, without ':'")
+        if not path:
+            raise ServiceError("invalid", "lora_path is required")
+        res = await self._router_call("load_lora", name, path)
+        if "error" in res:
+            raise ServiceError(res.get("kind", "internal"), res["error"])
+        self.loras[name] = res
+        return res
+
+    async def unload_lora(self, name: str) -> None:
+        res = await self._router_call("unload_lora", name)
+        self.loras.pop(name, None)
+        if "error" in res:
+            raise ServiceError(res.get("kind", "internal"), res["error"])
+
+    async def _router_call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.router, method).remote(*args)
+        except RayActorError:
+            raise ServiceError("unavailable", "the router is restarting; retry shortly") from None
 
     # ---- request building -------------------------------------------------------------------
     def apply_tools(self, plan: ToolPlan | None, sampling: dict[str, Any]) -> None:
@@ -181,6 +246,7 @@ class Service:
         session_id: str | None = None,
         request_id: str | None = None,
         default_max_tokens: int | None = None,
+        lora: str | None = None,
     ) -> GenRequest:
         """Validate sampling parameters and lengths against the context."""
         sampling = dict(sampling or {})
@@ -214,7 +280,7 @@ class Service:
                 "(max_model_len)",
             )
         rid = request_id or f"req-{uuid.uuid4().hex}"
-        return GenRequest(rid, prompt_ids, params, session_id or None)
+        return GenRequest(rid, prompt_ids, params, session_id or None, lora)
 
     # ---- serving ----------------------------------------------------------------------------
     async def stream(
@@ -224,7 +290,9 @@ class Service:
 
         Each attempt's router slot is released in this generator's `finally` and, when the
         caller passes `leases`, also when the caller closes them (whichever comes first)."""
-        hashes = hash_full_blocks(req.prompt_ids, self.block_size)
+        # an adapter's KV chains from its own root: affinity finds only its blocks
+        root = int(self.loras.get(req.lora, {}).get("root", 0)) if req.lora else 0
+        hashes = hash_full_blocks(req.prompt_ids, self.block_size, parent=root)
         tried: list[int] = []
         params = req.params.model_dump()
         for _attempt in range(self.cfg.max_retries + 1):
@@ -243,7 +311,7 @@ class Service:
                                     lambda src, dst, s=slot: self._moved(s, src, dst), slot.slot_id,
                                     self.tokens)
                 slot.worker = relay.worker
-                async for chunk in relay.chunks(req.prompt_ids, params):
+                async for chunk in relay.chunks(req.prompt_ids, params, req.lora):
                     if "error" in chunk:
                         slot.finished = True
                         raise ServiceError(chunk["error"], chunk["message"])
@@ -329,7 +397,8 @@ class Service:
         self, hashes: list[int], req: GenRequest, tried: list[int], leases: Leases | None
     ) -> Slot | None:
         async def call() -> dict:
-            return await self.router.pick.remote(hashes, req.session_id, tried, req.request_id)
+            return await self.router.pick.remote(hashes, req.session_id, tried, req.request_id,
+                                                 req.lora)
 
         # Shielded: a caller cancelled mid-pick (client gone, a sibling choice failed) must
         # still give back the slot the router counts for it, or the count leaks for good.
@@ -346,6 +415,8 @@ class Service:
         if "error" in pick:
             if tried and pick["error"] == "unavailable":
                 return None
+            if pick["error"] == "not_found":  # an adapter unloaded since this replica looked
+                self.loras.pop(req.lora or "", None)
             raise ServiceError(pick["error"], pick["message"], pick.get("retry_after"))
         # no await from the pick's answer to here: the slot is registered before any cancel
         slot = Slot(self.router, pick, req.request_id, self.live)
@@ -393,6 +464,7 @@ class Service:
         ray_ep = await asyncio.to_thread(known_ray_endpoints)
         info["ray"] = {"dashboard_url": ray_ep.dashboard_url, "metrics_port": ray_ep.metrics_port}
         info["max_model_len"] = self.max_model_len
+        self.loras = {d["name"]: d for d in info.get("loras", [])}
         return info
 
 

@@ -36,13 +36,14 @@ class StreamRelay:
         return self.workers[self.idx]
 
     async def chunks(
-        self, prompt_ids: list[int], params: dict[str, Any]
+        self, prompt_ids: list[int], params: dict[str, Any], lora: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Chunks of the request started on the current worker, then of each worker the
-        stream moves to; the move markers themselves are not passed on."""
+        stream moves to; the move markers themselves are not passed on. `lora`: the LoRA
+        adapter it runs with (a moved stream keeps it)."""
         rid, slot_id, worker = self.request_id, self.slot_id, self.worker
         start: Start = lambda sub_id, key: worker.start.remote(  # noqa: E731
-            sub_id, rid, prompt_ids, params, slot_id, key)
+            sub_id, rid, prompt_ids, params, slot_id, key, lora=lora)
         while True:
             moved_to: int | None = None
             async for chunk in self.demux.stream(self.idx, self.worker, rid, start):

@@ -56,6 +56,7 @@ class StreamState:
     slot: int = -1  # the stream's row in the persistent block-table array
     plan: PlannedStream | None = None  # its part of the last plan, reused by the next one
     num_dropped: int = 0  # leading blocks released: outside every layer's window
+    root: int = ROOT_HASH  # its hash chain's root: its LoRA adapter's (`StreamStep.root`)
 
     @property
     def live_blocks(self) -> list[int]:
@@ -73,6 +74,9 @@ class StreamStep:
     resume: ParkedKV | None = None  # a parked stream coming back: its host tail is usable
     pending: int = 0  # sampled tokens past `token_ids` still on the device (async scheduling)
     use_host: bool = True  # False: what the host holds is recomputed (cheaper than a copy)
+    # the root of the stream's block hash chain: 0 for the base model, its LoRA adapter's
+    # otherwise, so KV computed under one adapter is never shared with another or the base
+    root: int = ROOT_HASH
 
 
 @dataclass
@@ -99,6 +103,7 @@ class PlannedStream:
     host_tokens: int = 0  # tokens of `start` served from host by copy
     slot: int = -1  # row of `block_ids` in the persistent block-table array
     state: StreamState | None = None  # the stream's state (set once reserved)
+    root: int = ROOT_HASH  # a new stream's hash-chain root (its adapter's)
 
 
 @dataclass
@@ -176,7 +181,8 @@ class KVCacheManager:
         s = self.streams.get(stream_id)
         return s.num_computed if s else 0
 
-    def cached_prefix(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], limit: int | None = None,
+                      root: int = ROOT_HASH) -> list[int]:
         """Block ids holding the longest cached full-block prefix of `token_ids`.
 
         `limit` caps the prefix length in tokens (a step must compute at least
@@ -186,7 +192,7 @@ class KVCacheManager:
             return []
         n = len(token_ids) if limit is None else min(limit, len(token_ids))
         out: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         bs = self.block_size
         for b in range(n // bs):
             parent = hash_block(parent, token_ids[b * bs : (b + 1) * bs])
@@ -197,7 +203,7 @@ class KVCacheManager:
         return out
 
     def lookup_prefix(self, token_ids: list[int], limit: int, resume: ParkedKV | None = None,
-                      use_host: bool = True) -> PrefixHit:
+                      use_host: bool = True, root: int = ROOT_HASH) -> PrefixHit:
         """The longest known prefix of a new stream: device prefix hits first, then host
         hits (by copy; not with `use_host` False), then, for a resumed stream whose full
         blocks all came back, its private partial tail. What neither tier holds is
@@ -210,7 +216,7 @@ class KVCacheManager:
         use_host = host is not None and (self.enable_prefix_caching or resume is not None)
         dev: list[int] = []
         on_host: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         for b in range(n // bs):
             parent = hash_block(parent, token_ids[b * bs : (b + 1) * bs])
             if not on_host and self.enable_prefix_caching:
@@ -301,7 +307,7 @@ class KVCacheManager:
                 raise ValueError(f"new stream {sid!r} cannot have tokens on the device")
             if self.blocks_needed(target) > width:
                 raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
-            hit = self.lookup_prefix(st.token_ids, target - 1, st.resume, st.use_host)
+            hit = self.lookup_prefix(st.token_ids, target - 1, st.resume, st.use_host, st.root)
             cached = hit.device_blocks
             host_ids = hit.host_blocks + ([hit.tail_block] if hit.tail_block is not None else [])
             start = hit.num_tokens
@@ -310,7 +316,7 @@ class KVCacheManager:
                     revived.add(b)
             n_new = max(0, self.blocks_needed(target) - len(cached))
             need_new += n_new
-            ps = PlannedStream(sid, start, target, [], [], cached, True, n_new)
+            ps = PlannedStream(sid, start, target, [], [], cached, True, n_new, root=st.root)
             ps.host_in = [(h, -1) for h in host_ids]
             ps.host_tokens = start - len(cached) * bs
             num_tokens += target - start
@@ -328,7 +334,7 @@ class KVCacheManager:
         # of this step is about to share.
         for p in fresh:
             self.pool.touch(p.cached_blocks)
-            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.target)
+            state = StreamState(block_ids=list(p.cached_blocks), num_computed=p.target, root=p.root)
             state.num_cached_prompt = p.start
             state.plan, p.state = p, state
             state.block_hashes = self._hashes_of(p.cached_blocks)
@@ -392,7 +398,7 @@ class KVCacheManager:
             state: StreamState = p.state  # type: ignore[assignment]
             tokens = plan.token_ids[p.stream_id]
             full = min(p.target, len(tokens)) // bs  # a token still on the device: hashed later
-            parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
+            parent = state.block_hashes[-1] if state.block_hashes else state.root
             for b in range(len(state.block_hashes), full):
                 parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
                 state.block_hashes.append(parent)
@@ -481,10 +487,12 @@ class KVCacheManager:
         self.pool.unallocate(blocks)
         return len(blocks)
 
-    def adopt_reserved(self, key: str, num_computed: int, hashes: list[int]) -> StreamState:
+    def adopt_reserved(self, key: str, num_computed: int, hashes: list[int],
+                       root: int = ROOT_HASH) -> StreamState:
         """Make a reservation a running stream holding `num_computed` tokens of KV (written
         into its first blocks by the move); `hashes` are its full blocks' chained hashes,
-        published to the prefix cache. Blocks beyond what the tokens fill go back."""
+        published to the prefix cache (chained from `root`, its adapter's). Blocks beyond
+        what the tokens fill go back."""
         blocks = self.reserved.pop(key)
         need = self.blocks_needed(num_computed)
         if need > len(blocks):
@@ -494,7 +502,8 @@ class KVCacheManager:
         keep, spare = blocks[:need], blocks[need:]
         self.pool.unallocate(spare)
         state = StreamState(block_ids=list(keep), num_computed=num_computed,
-                            block_hashes=list(hashes[: num_computed // self.block_size]))
+                            block_hashes=list(hashes[: num_computed // self.block_size]),
+                            root=root)
         if self.enable_prefix_caching:
             for b, h in zip(state.block_ids, state.block_hashes, strict=False):
                 self.pool.register(b, h)

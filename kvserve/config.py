@@ -69,6 +69,23 @@ class EngineConfig(BaseModel):
     max_evictions_per_request: int = Field(
         4, ge=0, description="a stream is evicted at most this often while others can be"
     )
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (on when `loras` names any): device slots are "
+        "allocated and adapters can be loaded at run time",
+    )
+    loras: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters loaded at start: name -> PEFT adapter "
+        "directory or Hub id (org/name[@rev]); a request names one in its `model`",
+    )
+    max_loras: int = Field(
+        4, ge=1, le=256, description="LoRA adapters in device slots at once (a step mixes at most "
+        "this many)",
+    )
+    max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest LoRA rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept in host memory (least recently used dropped "
+        "beyond it; never one with live requests); None = 4 x max_loras",
+    )
 
     @field_validator("device")
     @classmethod
@@ -82,7 +99,26 @@ class EngineConfig(BaseModel):
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ValueError("async_scheduling is not available with tensor_parallel_size > 1: "
                              "the other ranks take each step's input ids from the host")
+        if self.lora_enabled and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 (the "
+                             "adapters' products are not split across ranks)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}): an adapter in a device slot stays in host "
+                             "memory")
+        bad = [n for n in self.loras if not n or n == "default" or ":" in n]
+        if bad:
+            raise ValueError(f"LoRA adapter name {bad[0]!r}: names must be non-empty, not "
+                             "'default', without ':'")
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.loras)
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
 
     @property
     def num_blocks(self) -> int:

@@ -32,3 +32,14 @@ class EngineDeadError(KVServeError):
 class ConfigError(KVServeError, ValueError):
     """A setting that cannot be honoured as given (invalid, or a file it names cannot be
     used); the message names it and the ways out."""
+
+
+class AdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be loaded: files missing or corrupt, a rank above the
+    limit, a module kvserve does not adapt, or shapes of another base model (HTTP 400 /
+    INVALID_ARGUMENT). The message names the adapter and what is wrong; nothing was loaded."""
+
+
+class NotFoundError(KVServeError):
+    """A request names a model or LoRA adapter that is not served here (HTTP 404 /
+    NOT_FOUND); the message names it."""

@@ -141,6 +141,47 @@ def fetch(hub: HubModel, tokenizer_only: bool = False,
     return os.path.join(storage, "snapshots", sha)
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def fetch_adapter(hub: HubModel) -> str:
+    """The local snapshot folder of a PEFT LoRA adapter repository (its config and
+    safetensors weights), fetched if needed; ModelLoadError as `fetch`."""
+    from huggingface_hub import constants
+
+    storage = _storage(hub)
+
+    def cached() -> str | None:
+        commit = hub.rev if _COMMIT.match(hub.rev) else _read(os.path.join(storage, "refs", hub.rev))
+        snap = os.path.join(storage, "snapshots", commit or "-")
+        ok = commit and all(os.path.isfile(os.path.join(snap, f)) for f in ADAPTER_FILES)
+        return snap if ok else None
+
+    if constants.HF_HUB_OFFLINE or _COMMIT.match(hub.rev):
+        found = cached()
+        if found:
+            return found
+        if constants.HF_HUB_OFFLINE:
+            raise ModelLoadError(f"{hub}: the LoRA adapter is not in the cache at {storage} and "
+                                 "HF_HUB_OFFLINE=1 forbids fetching it")
+    try:
+        info = _model_info(hub)
+    except _Unreachable as e:
+        found = cached()
+        if found:
+            return found
+        raise ModelLoadError(f"{hub}: cannot reach the Hugging Face Hub ({e}) and the LoRA "
+                             "adapter is not cached") from None
+    files = {s.rfilename: s for s in info.siblings or []}
+    missing = [f for f in ADAPTER_FILES if f not in files]
+    if missing:
+        raise ModelLoadError(f"{hub}: not a PEFT LoRA adapter repository (no "
+                             f"{', '.join(missing)})")
+    _remember_revision(storage, hub.rev, info.sha)
+    _download(hub, info.sha, storage, [files[f] for f in ADAPTER_FILES], None)
+    return os.path.join(storage, "snapshots", info.sha)
+
+
 # ---- the cache -----------------------------------------------------------------------------
 
 

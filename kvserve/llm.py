@@ -36,8 +36,11 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in input order."""
+        """Generate for each prompt (a string or a list of token ids); outputs in input order.
+        `lora`: a loaded LoRA adapter's name for every prompt, or one per prompt (None: the
+        base model)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -49,15 +52,25 @@ class LLM:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA adapter names")
         ids = []
         try:
-            for p, sp in zip(prompts, plist, strict=True):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, name in zip(prompts, plist, loras, strict=True):
+                ids.append(self.engine.add_request(p, sp, lora=name))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load a PEFT LoRA adapter (a directory or Hub id) under `name`."""
+        return self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
 
     def chat(
         self,

@@ -71,3 +71,23 @@ def served_name(model: str | None) -> str:
             return hub.served_name
     path = os.path.basename(str(resolve_model(model)).rstrip("/"))
     return path.rsplit(".", 1)[0] if path.endswith(".gguf") else path
+
+
+def resolve_adapter(source: str) -> str:
+    """A local directory for a LoRA adapter: a path that exists as it is, a Hub id
+    (`org/name`, `org/name@rev`) fetched into the Hugging Face cache; AdapterError when it
+    cannot be found or fetched."""
+    from kvserve.errors import AdapterError
+
+    path = os.path.expanduser(source)
+    if os.path.exists(path):
+        return path
+    from kvserve.hub import fetch_adapter, parse_hub_id
+
+    try:
+        hub = parse_hub_id(source)
+        if hub is None or hub.gguf_file:
+            return path  # the loader reports the missing directory
+        return fetch_adapter(hub)
+    except ModelLoadError as e:
+        raise AdapterError(f"LoRA adapter {source}: {e}") from None

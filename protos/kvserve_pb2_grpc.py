@@ -79,6 +79,16 @@ class KVServeStub:
                 request_serializer=kvserve__pb2.MoveStreamRequest.SerializeToString,
                 response_deserializer=kvserve__pb2.MoveStreamResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/kvserve.v1.KVServe/LoadLoraAdapter',
+                request_serializer=kvserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvserve__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/kvserve.v1.KVServe/UnloadLoraAdapter',
+                request_serializer=kvserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvserve__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class KVServeServicer:
@@ -138,6 +148,18 @@ class KVServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_KVServeServicer_to_server(servicer, server):
                     servicer.MoveStream,
                     request_deserializer=kvserve__pb2.MoveStreamRequest.FromString,
                     response_serializer=kvserve__pb2.MoveStreamResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=kvserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=kvserve__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=kvserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=kvserve__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class KVServe:
             '/kvserve.v1.KVServe/MoveStream',
             kvserve__pb2.MoveStreamRequest.SerializeToString,
             kvserve__pb2.MoveStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVServe/LoadLoraAdapter',
+            kvserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            kvserve__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVServe/UnloadLoraAdapter',
+            kvserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            kvserve__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,10 @@ class WorkerView:
     ttft_recent: list[tuple[float, float]] = field(default_factory=list)
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    # LoRA adapters: loaded here, in a device slot, in the host-memory cache (last poll)
+    loras: set[str] = field(default_factory=set)
+    lora_device: set[str] = field(default_factory=set)
+    lora_host: set[str] = field(default_factory=set)
 
     @property
     def load(self) -> int:
@@ -65,12 +69,13 @@ class WorkerView:
 class RouteRequest:
     block_hashes: list[int]
     session_worker: int | None = None  # the worker that served this session last
+    lora: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
 @dataclass
 class Decision:
     idx: int
-    reason: str  # "session", "prefix", "least_loaded", "round_robin"
+    reason: str  # "session", "prefix", "lora_device", "lora_host", "least_loaded", "round_robin"
     matched_blocks: int = 0
 
 
@@ -105,10 +110,14 @@ class LeastLoaded(Policy):
 
 
 class Affinity(LeastLoaded):
-    """Exact KV affinity first (session, then longest held prefix), within an imbalance bound.
+    """Exact KV affinity first (session, then longest held prefix), then a LoRA request's
+    adapter (a worker with it in a device slot, then one with it in host memory), all within
+    an imbalance bound.
 
     Affinity only wins while its worker has at most `max_imbalance` more requests in flight
-    than the least loaded one, so a hot prefix or session never piles everything on one worker.
+    than the least loaded one, so a hot prefix, session or adapter never piles everything on
+    one worker: past the bound the least loaded worker takes the request and loads the
+    adapter, and from then on holds it too.
     """
 
     name = "affinity"
@@ -125,6 +134,11 @@ class Affinity(LeastLoaded):
             matched, _, idx = max(scored)
             if matched > 0:
                 return Decision(idx, "prefix", matched)
+        if req.lora is not None:
+            for reason, holds in (("lora_device", "lora_device"), ("lora_host", "lora_host")):
+                have = [w for w in ok if req.lora in getattr(w, holds)]
+                if have:
+                    return Decision(min(have, key=lambda w: (w.load, -w.kv_blocks_free)).idx, reason)
         return super().choose(workers, req)
 
 

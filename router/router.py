@@ -22,6 +22,7 @@ from kvserve.errors import StartupError
 from kvserve.hardware import available_cores
 from kvserve.router.autoscale import AutoscalingConfig
 from kvserve.router.config import RouterConfig
+from kvserve.router.loras import LoraRegistry
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
@@ -76,6 +77,7 @@ class RouterActor:
         # slots dropped by reconciliation, to tell a premature correction (released later)
         # from a release that never came
         self._reconciled: OrderedDict[str, float] = OrderedDict()
+        self.loras = LoraRegistry(self.handles, self.views)
 
     def __repr__(self) -> str:  # the Ray dashboard's Repr column and log prefix
         return (f"RouterActor({_own_name() or 'unnamed'}, model={self.cfg.model_name}, "
@@ -159,6 +161,7 @@ class RouterActor:
         if self._info is None:  # the context served is the shortest any worker holds
             self._info = {**answered[0],
                           "max_model_len": min(int(a["max_model_len"]) for a in answered)}
+            self.loras.started(answered)
         self.mover.block_size = int(self._info.get("block_size", self.mover.block_size))
         await self._poll_once()
         if self._poller is None:
@@ -327,15 +330,19 @@ class RouterActor:
     # ---- routing ----------------------------------------------------------------------------
     async def pick(
         self, block_hashes: list[int], session_id: str | None, exclude: list[int],
-        request_id: str = "",
+        request_id: str = "", lora: str | None = None,
     ) -> dict[str, Any]:
         """Choose a worker; {"idx", "worker_id", "slot_id", "reason", ...} or {"error", "message"}.
+        `lora`: the LoRA adapter the request names (workers holding it are preferred).
 
         The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
             self._watch_placement()
         alive = self._routable(exclude)
+        # (before any wait: a request naming an unknown adapter does not start a worker)
+        if lora is not None and lora not in self.loras.known and self.loras.initialized:
+            return {"error": "not_found", "message": f"no LoRA adapter named {lora!r} is loaded"}
         if not alive and not exclude and self.scaler.cfg.enabled:
             # none serves (scaled to zero, or all starting): wait in a bounded queue while one
             # starts; a timeout's answer is final (the ingress does not wait again)
@@ -343,16 +350,25 @@ class RouterActor:
             if refused is not None:
                 return refused
             alive = self._routable(exclude)
+        if lora is not None and lora not in self.loras.known and not self.loras.initialized \
+                and alive:
+            await self.loras.learn(alive[0].idx)  # a restarted router, not yet ready
+        if lora is not None and lora not in self.loras.known and self.loras.initialized:
+            return {"error": "not_found", "message": f"no LoRA adapter named {lora!r} is loaded"}
         if not alive:
             return {"error": "unavailable", "message": "no worker is available to take the request"}
+        if lora is not None:
+            alive = self.loras.holders(alive, lora)
         room = [v for v in alive if v.inflight < self.cfg.max_inflight_per_worker]
         if not room:
             return {"error": "overloaded",
                     "message": f"all {len(alive)} workers are at their limit of "
                                f"{self.cfg.max_inflight_per_worker} requests in flight; retry later"}
         sw = self.sessions.get(session_id) if session_id else None
-        d = self.policy.choose(room, RouteRequest(block_hashes, sw))
+        d = self.policy.choose(room, RouteRequest(block_hashes, sw, lora))
         v = self.views[d.idx]
+        if lora is not None:  # it loads the adapter now if it lacks it: held from here on
+            v.lora_host.add(lora)
         self.metrics.picked(d, v, block_hashes, retry=bool(exclude))
         slot_id = f"{request_id}@{uuid.uuid4().hex[:12]}"
         v.slots[slot_id] = time.monotonic()
@@ -535,6 +551,10 @@ class RouterActor:
         v.devices = load.get("devices", [])
         v.runtime = load.get("runtime", {})
         v.streams = load.get("stream_list", [])
+        loras = load.get("loras") or {}
+        v.loras = set(loras.get("loaded", ()))
+        v.lora_device, v.lora_host = set(loras.get("device", ())), set(loras.get("host", ()))
+        self.loras.check(v)  # a restarted worker gets the adapters loaded since the start
         now = time.monotonic()
         v.ttft_recent = [(now - age, s) for age, s in load.get("ttft_recent", ())]
         v.pending = {h: t for h, t in v.pending.items() if t > now}
@@ -582,6 +602,20 @@ class RouterActor:
         old, self.cfg.slot_grace_s = self.cfg.slot_grace_s, max(0.0, float(s))
         return old
 
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    async def load_lora(self, name: str, source: str) -> dict[str, Any]:
+        """Load a LoRA adapter on every serving worker (all or none): its description, or
+        {"error", "kind"}."""
+        live = [i for i in self._serving() if self.views[i].alive]
+        return await self.loras.load(name, source, live)
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        live = [i for i in self._serving() if self.views[i].alive]
+        return await self.loras.unload(name, live)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self.loras.listing()
+
     # ---- introspection ----------------------------------------------------------------------
     def server_info(self) -> dict[str, Any]:
         return {
@@ -601,9 +635,11 @@ class RouterActor:
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
                  "state": self._state(v.idx), "load_s": self.states[v.idx].load_s,
                  "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
-                 "runtime": v.runtime, "streams": v.streams}
+                 "runtime": v.runtime, "streams": v.streams,
+                 "loras": {"device": sorted(v.lora_device), "host": sorted(v.lora_host)}}
                 for v in self.views
             ],
+            "loras": self.loras.listing(),
         }
 
 

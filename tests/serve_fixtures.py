@@ -174,8 +174,10 @@ def serve_app() -> Iterator[ServeApp]:
     from kvserve.deploy.serve_cli import deploy
     from kvserve.router.router import NAMESPACE, ROUTER_NAME
 
+    # LoRA on with small slots (tests/deploy/test_serve_lora.py loads adapters at run time)
     cfg = ServeConfig(num_workers=2, num_cpus_per_worker=1, engine=ENGINE, api_keys=[API_KEY],
-                      grpc_port=free_port(), http_port=free_port(), max_imbalance=2)
+                      grpc_port=free_port(), http_port=free_port(), max_imbalance=2,
+                      enable_lora=True, max_loras=2, max_lora_rank=8)
     # metrics reported every second (Ray's default: 10 s), so tests/deploy/test_metrics.py
     # sees its requests' counts soon
     metrics_port = free_port()

@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from kvserve.config import EngineConfig
-from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.errors import InvalidRequestError, NotFoundError, OutOfKVCacheError
 from kvserve.models import resolve_model, served_name
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
@@ -179,12 +179,13 @@ class WorkerActor(StreamMoves, TokenBatches):
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: dict[str, Any],
-        slot_id: str | None = None,
+        slot_id: str | None = None, lora: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream chunks {token_ids, text, finish_reason, usage, worker_id} or one {error}.
 
         `slot_id` is the router's name for this request's place in its in-flight count; the
-        worker reports the slots it holds on `load`, so the router can drop stale ones."""
+        worker reports the slots it holds on `load`, so the router can drop stale ones.
+        `lora`: the LoRA adapter to generate with (None: the base model)."""
         self._ensure_metrics()
         track = self.metrics.request()
         try:
@@ -199,7 +200,7 @@ class WorkerActor(StreamMoves, TokenBatches):
                    "worker_id": self.worker_id}
             return
         # the engine validates and tokenizes on the first step of this generator (in the pump)
-        outs = self.engine.generate(prompt, sp, request_id)
+        outs = self.engine.generate(prompt, sp, request_id, lora)
         async for chunk in self._chunks(request_id, outs, slot_id, track):
             yield chunk
 
@@ -245,7 +246,8 @@ class WorkerActor(StreamMoves, TokenBatches):
                     return
                 if req.error is not None:
                     bad = isinstance(req.error, InvalidRequestError | OutOfKVCacheError)
-                    kind = "invalid" if bad else "internal"
+                    kind = "invalid" if bad else "not_found" if isinstance(
+                        req.error, NotFoundError) else "internal"
                     track.finish("error")
                     yield {"error": kind, "message": str(req.error), "worker_id": self.worker_id}
                     return
@@ -325,7 +327,37 @@ class WorkerActor(StreamMoves, TokenBatches):
             "devices": self._devices,
             "runtime": self.engine.engine.runner.runtime,
             "ttft_recent": self.metrics.ttft_recent(),
+            "loras": self._lora_view(),
         }
+
+    def _lora_view(self) -> dict[str, Any]:
+        """Its LoRA adapters: names loaded, in device slots, in host memory."""
+        ads = self.engine.engine.adapters
+        if ads is None:
+            return {"loaded": [], "device": [], "host": []}
+        return {"loaded": list(ads.by_name), **ads.held()}
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    async def add_lora(self, name: str, source: str) -> dict[str, Any]:
+        """Load a LoRA adapter: its description, or {"error", "kind"} ("invalid": a bad
+        adapter or a name taken by another one; nothing was kept)."""
+        try:
+            return await self.engine.add_lora(name, source)
+        except InvalidRequestError as e:
+            return {"error": str(e), "kind": "invalid"}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "kind": "internal"}
+
+    def remove_lora(self, name: str) -> dict[str, Any]:
+        """Unload a LoRA adapter ({"error", "kind": "not_found"} when it is not loaded)."""
+        try:
+            self.engine.remove_lora(name)
+        except NotFoundError as e:
+            return {"error": str(e), "kind": "not_found"}
+        return {"removed": name}
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self.engine.list_loras()
 
     def info(self) -> dict[str, Any]:
         eng = self.engine.engine
@@ -342,6 +374,8 @@ class WorkerActor(StreamMoves, TokenBatches):
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "shard_pids": self.engine.engine.shard_pids(),
             "load_s": self.load_s,
+            "loras": self.engine.list_loras(),
+            "lora_enabled": self.engine.engine.adapters is not None,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -50,6 +50,7 @@ def weight_bytes(model: Any) -> int:
 def _collect_tensors(obj: Any, spans: list[tuple[int, int]], visited: set[int]) -> None:
     """The address ranges of the tensors reachable from `obj`'s attributes."""
     from kvserve.workers.model.layers.rope import RotaryEmbedding
+    from kvserve.workers.model.lora import LoRALinear
     from kvserve.workers.model.quant_linear import Linear
 
     if isinstance(obj, torch.Tensor):
@@ -62,6 +63,8 @@ def _collect_tensors(obj: Any, spans: list[tuple[int, int]], visited: set[int]) 
     visited.add(id(obj))
     if isinstance(obj, Linear):  # its weight and bias (not its quantized copy's raw rows)
         items = [obj.weight, obj.bias]
+    elif isinstance(obj, LoRALinear):  # the base linear; adapter slots are read per adapter row
+        items = [obj.base]
     elif isinstance(obj, (list, tuple)):
         items = list(obj)
     elif isinstance(obj, dict):

@@ -362,3 +362,33 @@ def test_worker_reports_the_download_in_its_state(hub, tiny_files):
         assert os.path.join("models--org--tiny", "snapshots") in worker.info()["model_path"]
     finally:
         worker.engine.shutdown()
+
+
+def test_lora_adapter_by_hub_id(hub, tiny_files, tiny_dir, monkeypatch):
+    """A LoRA adapter named by Hub id: its two files fetched (nothing else in the repository),
+    then found in the cache offline; a repository that is no adapter is refused clearly."""
+    from lora_adapters import write_adapter
+
+    from kvserve.errors import AdapterError
+    from kvserve.models import resolve_adapter
+
+    local = write_adapter(os.path.join(tiny_dir, "..", "lora"), 2, 64, 64, 32, 128, 4, seed=1)
+    files = folder_files(local) | {"README.md": b"# adapter\n"}
+    sha = hub.add_commit("org/tiny-lora", files)
+    llm = LLM(tiny_dir, kv_cache_tokens=512, num_threads=1, enable_lora=True)
+    assert llm.load_lora("hub", "org/tiny-lora")["rank"] == 4
+    path = resolve_adapter("org/tiny-lora")
+    assert path.endswith(os.path.join("models--org--tiny-lora", "snapshots", sha))
+    assert _fetched(hub) >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert "README.md" not in _fetched(hub)
+    assert llm.generate(PROMPT, GREEDY, lora="hub")[0].token_ids != llm.generate(
+        PROMPT, GREEDY)[0].token_ids
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    n = len(hub.requests)
+    assert resolve_adapter("org/tiny-lora") == path and len(hub.requests) == n
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub.add_commit("org/tiny", tiny_files)
+    with pytest.raises(AdapterError, match="not a PEFT LoRA adapter repository"):
+        resolve_adapter("org/tiny")

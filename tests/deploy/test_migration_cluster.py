@@ -29,6 +29,10 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.router import RouterActor
 from kvserve.sampling import SamplingParams
 
+# a Ray cluster of its own (~90 s on the 2-core host); the default tier moves streams on the
+# shared service (test_serve_migration.py)
+pytestmark = pytest.mark.slow
+
 ENGINE = {"num_threads": 1, "kv_cache_tokens": 4096, "max_model_len": 512, "max_num_seqs": 16,
           "host_cache_gib": 0.2, "host_restore_policy": "copy"}
 # 16 blocks, greedy admission; a context that pool can hold

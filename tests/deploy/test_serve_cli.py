@@ -142,6 +142,65 @@ def test_gpus_per_worker_reaches_the_worker_actors_and_their_device():
         config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "-1"]))
 
 
+def test_lora_flags_reach_the_engine_and_bad_ones_are_one_line():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.serve_cli import config_from_args
+    from kvserve.errors import ConfigError
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["serve", "--lora", "sql=/a/sql", "--lora", "chat=org/chat@v2", "--max-loras", "2",
+         "--max-lora-rank", "64", "--max-cpu-loras", "6"]))
+    engine = cfg.router_config().worker_engine(8)
+    assert engine["loras"] == {"sql": "/a/sql", "chat": "org/chat@v2"}
+    assert (engine["enable_lora"], engine["max_loras"], engine["max_lora_rank"],
+            engine["max_cpu_loras"]) == (True, 2, 64, 6)
+    plain = config_from_args(build_parser().parse_args(["serve"]))
+    assert not plain.engine_config().lora_enabled
+    assert config_from_args(build_parser().parse_args(
+        ["serve", "--enable-lora"])).engine_config().lora_enabled
+    for argv, why in ((["--lora", "sql"], "NAME=PATH"),
+                      (["--lora", "a=/x", "--lora", "a=/y"], "named twice"),
+                      (["--lora", "a=/x", "--max-loras", "4", "--max-cpu-loras", "2"],
+                       "max_cpu_loras"),
+                      (["--lora", "a=/x", "--tensor-parallel-size", "2"], "tensor_parallel_size")):
+        with pytest.raises(ConfigError, match=why):
+            config_from_args(build_parser().parse_args(["serve", "--gpus-per-worker", "0", *argv]))
+
+
+def test_a_bad_lora_adapter_is_refused_before_ray_starts(tmp_path):
+    from lora_adapters import smollm2_adapter
+
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import _resolve_tokenizer
+    from kvserve.errors import AdapterError
+
+    good = smollm2_adapter(str(tmp_path / "good"), 4, seed=1, targets=["q_proj"])
+    big = smollm2_adapter(str(tmp_path / "big"), 16, seed=2, targets=["q_proj"])
+    _resolve_tokenizer(ServeConfig(loras={"good": good}, max_lora_rank=8))
+    with pytest.raises(AdapterError, match="--lora big=.*rank 16 .* above max_lora_rank 8"):
+        _resolve_tokenizer(ServeConfig(loras={"good": good, "big": big}, max_lora_rank=8))
+    # a path this machine lacks is left to the workers (it may be on their nodes)
+    _resolve_tokenizer(ServeConfig(loras={"far": "/on/the/workers/only"}))
+
+
+def test_one_base_model_per_service_and_a_second_is_refused():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import config_from_args
+    from kvserve.errors import ConfigError
+
+    one = config_from_args(build_parser().parse_args(["serve", "--model", "org/a"]))
+    assert one.model == "org/a" and one.engine_config().model == "org/a"
+    assert config_from_args(build_parser().parse_args(["serve"])).model is None
+    # a second --model is an error, never silently the last one
+    with pytest.raises(ConfigError, match="one service per base model"):
+        config_from_args(build_parser().parse_args(
+            ["serve", "--model", "org/a", "--model", "org/b"]))
+    with pytest.raises(ValueError, match="2 base models given"):
+        ServeConfig(model=["org/a", "org/b"])
+    assert ServeConfig(model=["org/a"]).model == "org/a"
+
+
 def test_tensor_parallel_size_reaches_the_engine_and_the_gpus_add_up():
     from kvserve.cli import build_parser
     from kvserve.deploy.serve_cli import config_from_args
@@ -243,6 +302,7 @@ def test_app_port_settings_must_match_serves_proxies():
                    "(grpc_options.port)"]
 
 
+@pytest.mark.slow  # a second Serve app: ~20 s
 def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
     """Deployed with Serve's own tools onto running proxies, an app whose http_port says
     another port than Serve's HTTP proxy uses fails to start, naming Serve's setting."""

@@ -229,6 +229,7 @@ def test_admin_move_over_http_by_snapshot_and_its_errors(serve_app, stub):
     assert chunks[-1].worker_id == f"worker-{1 - idx}"
 
 
+@pytest.mark.slow  # ~18 s; one live move stays in the default tier
 def test_many_live_moves_at_once_in_both_directions(serve_app, stub):
     """Four streams, half on each worker, all moved to the other worker at once while the
     engines are held: every client reads the unmoved tokens from the worker it moved to, and

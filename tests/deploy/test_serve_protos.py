@@ -33,7 +33,8 @@ def test_stubs_import_from_package() -> None:
 
     methods = {m.name for m in kvserve_pb2.DESCRIPTOR.services_by_name["KVServe"].methods}
     assert methods == {"Generate", "GenerateStream", "Chat", "ChatStream", "Tokenize",
-                       "ListModels", "GetServerInfo", "DrainWorker", "MoveStream"}
+                       "ListModels", "GetServerInfo", "DrainWorker", "MoveStream",
+                       "LoadLoraAdapter", "UnloadLoraAdapter"}
     assert callable(kvserve_pb2_grpc.add_KVServeServicer_to_server)
     req = kvserve_pb2.GenerateRequest(prompt="hi", session_id="s")
     assert req.HasField("session_id") and not req.sampling.HasField("max_tokens")

@@ -18,7 +18,7 @@ def _worker(name: str, chunks: list[dict[str, Any]]) -> FakeWorker:
     w = FakeWorker()
     w.name = name  # type: ignore[attr-defined]
 
-    async def started(sub_id: str, *args: Any) -> bool:
+    async def started(sub_id: str, *args: Any, **kw: Any) -> bool:
         w.streams[sub_id].items.put_nowait({"batch": {args[-1]: chunks}})
         return True
 

@@ -97,6 +97,10 @@ CASES: dict[str, dict[str, Any]] = {
     "model-hub-gguf": {"model": {"id": "Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf",
                                  "cache": {"sizeLimit": "8Gi", "mountPath": "/hf"},
                                  "offline": True}},
+    "lora": {"serve": {"lora": {"adapters": [{"name": "sql", "path": "/models/adapters/sql"},
+                                             {"name": "chat", "path": "org/chat-lora@v2"}],
+                                "maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8}},
+             "model": {"path": "base", "volume": {"persistentVolumeClaim": "models"}}},
 }
 
 
@@ -278,6 +282,10 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
     elif name == "model-hub-gguf":
         assert sc.model == values["model"]["id"]
         assert sc.model_name() == "qwen2.5-0.5b-instruct-q4_k_m"
+    elif name == "lora":
+        ec = sc.engine_config()
+        assert ec.loras == {"sql": "/models/adapters/sql", "chat": "org/chat-lora@v2"}
+        assert (ec.enable_lora, ec.max_loras, ec.max_lora_rank, ec.cpu_loras) == (True, 2, 64, 8)
     else:
         assert sc.model is None  # the embedded default model
 
@@ -546,6 +554,10 @@ def test_notes_name_the_services():
     ({"model": {"cache": {"sizeLimit": "lots"}}}, "at '/model/cache/sizeLimit'"),
     ({"serve": {"autoscaling": {"minWorkers": -1}}}, "at '/serve/autoscaling/minWorkers'"),
     ({"serve": {"autoscaling": {"maxWorker": 2}}}, "additional properties 'maxWorker' not allowed"),
+    ({"serve": {"lora": {"adapters": [{"name": "a"}]}}}, "missing property 'path'"),
+    ({"serve": {"lora": {"adapters": [{"name": "a:b", "path": "/x"}]}}},
+     "'a:b' does not match pattern"),
+    ({"serve": {"lora": {"maxLoras": 0}}}, "at '/serve/lora/maxLoras'"),
 ])
 def test_schema_rejects(values, message):
     with pytest.raises(helm.HelmValuesError) as err:

@@ -39,6 +39,33 @@ def test_affinity_gives_way_beyond_the_imbalance_bound():
     assert pol.choose(views, RouteRequest([1, 2, 3])).idx == 0
 
 
+def test_affinity_prefers_workers_holding_the_adapter_within_the_bound():
+    pol = make_policy("affinity", max_imbalance=2)
+    views = _views([1, 0, 0])
+    views[0].lora_device = {"sql"}
+    views[2].lora_host = {"sql", "chat"}
+    d = pol.choose(views, RouteRequest([7], lora="sql"))
+    assert (d.idx, d.reason) == (0, "lora_device")  # in a device slot beats least loaded
+    d = pol.choose(views, RouteRequest([7], lora="chat"))
+    assert (d.idx, d.reason) == (2, "lora_host")  # then in host memory
+    d = pol.choose(views, RouteRequest([7], lora="other"))
+    assert d.reason == "least_loaded"
+    # a prefix the adapter's requests computed (its own hash chain) comes first
+    views[1].held_device = {7}
+    assert pol.choose(views, RouteRequest([7], lora="sql")).reason == "prefix"
+    views[1].held_device = set()
+    # a hot adapter is not pinned to its worker: past the bound the request goes elsewhere
+    views[0].inflight = 3
+    d = pol.choose(views, RouteRequest([7], lora="sql"))
+    assert (d.idx, d.reason) == (2, "lora_host")
+    views[2].lora_host = {"chat"}
+    d = pol.choose(views, RouteRequest([7], lora="sql"))
+    assert d.idx in (1, 2) and d.reason == "least_loaded"
+    views[2].lora_device = {"sql"}
+    d = pol.choose(views, RouteRequest([7], lora="sql"))
+    assert (d.idx, d.reason) == (2, "lora_device")  # another holder within the bound
+
+
 def test_least_loaded_spreads_ties_and_unknown_policy():
     pol = make_policy("least_loaded", max_imbalance=0)
     views = _views([0, 0])

@@ -115,6 +115,7 @@ def test_tiles_cover_every_query_token_once() -> None:
     assert pos.tolist() == [4, 0, 16, 32, 10, 7]
 
 
+@pytest.mark.slow  # a whole model through the interpreted kernels: ~40 s
 def test_engine_with_triton_backend_matches_torch(tmp_path_factory) -> None:
     """The whole engine on the tiny model: chunked prefill (chunks after cached context),
     mixed steps and decode through the kernel give the torch backend's greedy tokens."""

@@ -97,17 +97,24 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs (new tokens, text delta) until the request finishes.
+        `lora`: a loaded LoRA adapter's name (None: the base model).
 
-        Bad input raises InvalidRequestError here, before anything is queued.
+        Bad input raises InvalidRequestError here (an unknown adapter NotFoundError), before
+        anything is queued.
         """
         rid = request_id or uuid.uuid4().hex
-        if params is not None and params.structured is not None:
-            # a grammar's first compile can take a second: not on this event loop
-            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, rid)
+        adapter = self.engine.resolve_lora(lora) if lora is not None else None
+        if (params is not None and params.structured is not None) or (
+                adapter is not None and adapter.weights is None):
+            # a grammar's first compile can take a second, an adapter dropped from host
+            # memory is read from disk: not on this event loop
+            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, rid, 0,
+                                          adapter)
         else:
-            seq = self.engine.make_sequence(prompt, params, rid)
+            seq = self.engine.make_sequence(prompt, params, rid, 0, adapter)
         stream = _Stream(asyncio.get_running_loop())
         self._adds.put((seq, stream))
         self._wake.set()
@@ -130,6 +137,17 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    async def add_lora(self, name: str, source: str) -> dict[str, Any]:
+        """Load a LoRA adapter (read and checked on a thread of its own; steps go on)."""
+        return await asyncio.to_thread(self.engine.add_lora, name, source)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self.engine.list_loras()
 
     # ---- stream moves (each runs on the step thread, between steps) ------------------------
     async def export_stream(self, request_id: str) -> bytes:
@@ -182,8 +200,25 @@ class AsyncLLMEngine:
         return await self._call(lambda: self._live_abandon(request_id))
 
     async def live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
-        """Reserve room for a stream on its way in (MoveRefused when there is none)."""
+        """Reserve room for a stream on its way in (MoveRefused when there is none). Its LoRA
+        adapter, if this engine lacks it or dropped it from host memory, is read first on a
+        thread of its own, not on the step thread."""
+        if info.get("lora"):
+            try:
+                await asyncio.to_thread(self._prepare_lora, info["lora"])
+            except Exception as e:
+                raise MoveRefused(f"the stream's LoRA adapter {info['lora']['name']!r}: {e}") from e
         return await self._call(lambda: self._live_reserve(info, growth_tokens))
+
+    def _prepare_lora(self, record: dict[str, Any]) -> None:
+        """A moving stream's adapter here and in host memory (any thread)."""
+        from kvserve.workers.engine.snapshot import record_adapter
+
+        ad = record_adapter(self.engine, record)
+        mgr = self.engine.adapters
+        if ad is not None and mgr is not None and ad.weights is None:
+            mgr.pin(ad)  # reads it back from disk here
+            mgr.unpin(ad)
 
     async def live_write(self, request_id: str, meta: dict[str, Any], data: Any) -> int:
         """A pre-copy round's blocks into the reservation; the blocks written so far."""
@@ -364,6 +399,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             if self.dead is not None:  # nothing will step it
+                eng.discard(seq)
                 st.put(self.dead)
                 continue
             try:

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.errors import InvalidRequestError, OutOfKVCacheError
+from kvserve.errors import InvalidRequestError, NotFoundError, OutOfKVCacheError
 from kvserve.kvcache.manager import StepPlan
 from kvserve.kvcache.restore_cost import DECISIONS, RestoreCost, stat_key
 from kvserve.models import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.workers.engine import constraints
+from kvserve.workers.engine.adapters import Adapter, AdapterManager
 from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
@@ -62,10 +63,17 @@ class LLMEngine:
         # the usable context: the model's, or less where the device KV pool holds less
         self.max_model_len = context_limit(self.model_config, config)
         self.kv = self.runner.kv
+        # LoRA adapters: registered by name, cached in host memory, in the runner's slots
+        self.adapters: AdapterManager | None = None
+        if self.runner.lora is not None:
+            self.adapters = AdapterManager(self.runner.lora, self.model_config, config.cpu_loras,
+                                           self.runner.dtype)
+            for name, source in config.loras.items():
+                self.add_lora(name, source)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             config.preemption_policy, config.admission_lookahead_tokens,
-            config.max_evictions_per_request,
+            config.max_evictions_per_request, self.adapters,
         )
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.resolved_async_scheduling()
@@ -97,12 +105,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError / OutOfKVCacheError.
+        """Validate and queue a request; raises InvalidRequestError / OutOfKVCacheError, and
+        NotFoundError for an unknown LoRA adapter.
 
         `priority`: lower values are scheduled first; equal priorities are FCFS.
+        `lora`: the name of a loaded LoRA adapter to generate with (None: the base model).
         """
-        seq = self.make_sequence(prompt, params, request_id, priority)
+        seq = self.make_sequence(prompt, params, request_id, priority, lora)
         self.add_sequence(seq)
         return seq.request_id
 
@@ -112,9 +123,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora: str | Adapter | None = None,
     ) -> Sequence:
-        """Validate and tokenize without touching the scheduler (safe from any thread)."""
+        """Validate and tokenize without touching the scheduler (safe from any thread). A
+        request of a LoRA adapter holds the adapter's host copy from here until it leaves
+        (read from disk here if it was dropped from host memory)."""
         params = params or SamplingParams()
+        adapter = self.resolve_lora(lora) if isinstance(lora, str) else lora
         request_id = request_id or f"req-{next(self._ids)}"
         ids, text = self._tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
@@ -145,6 +160,10 @@ class LLMEngine:
             request_id, text, ids, params, self.tokenizer, gen, self.max_model_len,
             next(self._arrival), priority,
         )
+        if adapter is not None:
+            assert self.adapters is not None
+            self.adapters.pin(adapter)
+            seq.lora, seq.lora_pinned, seq.kv_step.root = adapter, True, adapter.root
         if grammar is not None:
             seq.grammar, seq.guided = grammar, True
         return seq
@@ -158,9 +177,51 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
+            self.discard(seq)
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def discard(self, seq: Sequence) -> None:
+        """Drop a sequence that was made but never queued (what it holds is let go)."""
+        self.scheduler.leave(seq)
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def resolve_lora(self, name: str) -> Adapter:
+        """The loaded adapter `name` (NotFoundError when there is none)."""
+        if self.adapters is None:
+            raise NotFoundError(f"no LoRA adapter named {name!r}: this engine serves no LoRA "
+                                "adapters (enable_lora)")
+        return self.adapters.resolve(name)
+
+    def add_lora(self, name: str, source: str) -> dict:
+        """Load a PEFT adapter (a directory, or a Hub id fetched into HF's cache) under
+        `name`; AdapterError when it cannot be served (nothing kept), the same adapter again
+        is a no-op. Any thread: the disk read does not hold up steps."""
+        if self.adapters is None:
+            raise InvalidRequestError("LoRA adapters are not enabled on this engine "
+                                      "(enable_lora, or --lora / --enable-lora when serving)")
+        from kvserve.models import resolve_adapter
+
+        ad = self.adapters.add(name, resolve_adapter(source), source)
+        return {"name": ad.name, "source": ad.source, "rank": ad.rank, "modules": list(ad.modules),
+                "root": ad.root}
+
+    def remove_lora(self, name: str) -> None:
+        """Unload `name`: new requests cannot name it; its running ones finish with it."""
+        if self.adapters is None:
+            raise NotFoundError(f"no LoRA adapter named {name!r} is loaded")
+        self.adapters.remove(name)
+
+    def list_loras(self) -> list[dict]:
+        return self.adapters.listing() if self.adapters is not None else []
+
+    def _lora_rows(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """Each planned stream's adapter slot, or None when the step has no adapter."""
+        if self.adapters is None:
+            return None
+        rows = np.fromiter((s.lora_slot for s in seqs), np.int64, len(seqs))
+        return rows if (rows >= 0).any() else None
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -200,7 +261,7 @@ class LLMEngine:
         plan, seqs = self.scheduler.schedule()
         if plan is None:
             return []
-        logits = self.runner.run(plan)
+        logits = self.runner.run(plan, lora=self._lora_rows(seqs))
         rows, sample_seqs = self._sampling_rows(plan, seqs)
         if not rows:
             return []
@@ -226,7 +287,7 @@ class LLMEngine:
                     dev = DeviceTokens(np.array(idx), np.array([seqs[i].inflight_row for i in idx]),
                                        prev[1].tokens)
             try:
-                logits = self.runner.launch(plan, dev)
+                logits = self.runner.launch(plan, dev, self._lora_rows(seqs))
             except BaseException:
                 self._inflight = prev  # its tokens are still to be appended
                 raise
@@ -449,6 +510,7 @@ class LLMEngine:
             "demotions_skipped": host.demotions_skipped if host else 0,
             **self.grammars.stats(),
             **self.runner.parallel_stats(),
+            **(self.adapters.stats() if self.adapters is not None else {}),
         }
 
     def held_block_hashes(self) -> dict[str, list[int]]:

@@ -37,14 +37,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.kvcache.kv_transport import KVTransport, transport_for
 from kvserve.kvcache.manager import KVCacheFull, StreamState
 from kvserve.workers.engine.sequence import Sequence, Status
-from kvserve.workers.engine.snapshot import model_geometry, sequence_from_record, stream_record
+from kvserve.workers.engine.snapshot import (
+    model_geometry,
+    record_adapter,
+    sequence_from_record,
+    stream_record,
+)
 
 if TYPE_CHECKING:
+    from kvserve.workers.engine.adapters import Adapter
     from kvserve.workers.engine.engine import LLMEngine
 
 LEASE_S = 60.0  # a reservation untouched this long is freed by its target
@@ -135,7 +141,8 @@ class Source:
         return {"request_id": self.request_id, "tokens": engine.kv.num_computed(self.request_id),
                 "max_len": seq.max_len, "block_size": engine.kv.block_size,
                 "model": model_geometry(engine), "dtype": _dtype(engine),
-                "bytes_per_block": engine.runner.bytes_per_block}
+                "bytes_per_block": engine.runner.bytes_per_block,
+                "lora": seq.lora.record() if seq.lora is not None else None}
 
     def check(self, engine: LLMEngine) -> None:
         """Still movable: running here (not finished, aborted or parked meanwhile)."""
@@ -207,6 +214,8 @@ class Source:
             return False
         engine.kv.unhold(self.request_id, state)
         engine.scheduler.running.append(seq)
+        if seq.lora is not None:
+            engine.scheduler.regroup()
         return True
 
     def release(self, engine: LLMEngine) -> None:
@@ -235,7 +244,8 @@ def _hashes(engine: LLMEngine, seq: Sequence | None, first: int, upto: int) -> l
         seq.request_id) else []
     if len(have) >= upto:
         return have[first:upto]
-    return hash_full_blocks(seq.all_ids[: upto * engine.kv.block_size], engine.kv.block_size)[first:upto]
+    return hash_full_blocks(seq.all_ids[: upto * engine.kv.block_size], engine.kv.block_size,
+                            parent=seq.kv_step.root)[first:upto]
 
 
 # ---- target ------------------------------------------------------------------------------------
@@ -248,6 +258,9 @@ class Target:
     hashes: list[int] = field(default_factory=list)
     touched: float = field(default_factory=time.monotonic)
     bytes_in: int = 0
+    # the stream's LoRA adapter here, held in host memory and in a device slot from the
+    # reservation on (the stream runs at once when it commits)
+    lora: Adapter | None = None
 
     @staticmethod
     def reserve(engine: LLMEngine, info: dict[str, Any],
@@ -277,12 +290,14 @@ class Target:
                               f"(max_num_seqs {sched.max_num_seqs})")
         want = min(info["max_len"], engine.max_model_len, tokens + growth_tokens)
         n = engine.kv.blocks_needed(max(want, tokens + 1))
+        ad = _hold_adapter(engine, info.get("lora"))
         try:
             engine.kv.reserve_blocks(rid, n)
         except KVCacheFull as e:
+            _let_go(engine, ad)
             raise MoveRefused(f"no room for the stream: it needs {n} KV blocks, "
                               f"{e.free} are free here") from None
-        return Target(rid)
+        return Target(rid, lora=ad)
 
     def _ensure(self, engine: LLMEngine, blocks: int) -> list[int]:
         have = engine.kv.reserved[self.request_id]
@@ -316,8 +331,15 @@ class Target:
         seq = sequence_from_record(engine, r)
         tokens = int(meta["tokens"])
         if engine.kv.blocks_needed(tokens) != self.written:
+            engine.discard(seq)
             raise MoveRefused(f"{self.written} blocks arrived for {tokens} tokens")
-        engine.kv.adopt_reserved(self.request_id, tokens, self.hashes)
+        engine.kv.adopt_reserved(self.request_id, tokens, self.hashes, seq.kv_step.root)
+        if self.lora is not None:  # the reservation's slot is the stream's now
+            assert seq.lora is self.lora and engine.adapters is not None
+            seq.lora_slot = self.lora.slot
+            engine.adapters.unpin(self.lora)  # the sequence holds its own pin
+            self.lora = None
+            engine.scheduler.regroup()
         seq.status = Status.RUNNING
         engine.seqs[self.request_id] = seq
         engine.scheduler.running.append(seq)
@@ -325,3 +347,29 @@ class Target:
 
     def cancel(self, engine: LLMEngine) -> None:
         engine.kv.release_reservation(self.request_id)
+        _let_go(engine, self.lora)
+        self.lora = None
+
+
+def _hold_adapter(engine: LLMEngine, lora: dict[str, Any] | None) -> Adapter | None:
+    """The arriving stream's adapter, in host memory and a device slot here (loaded here
+    first if this engine does not have it); MoveRefused when it cannot be."""
+    if lora is None:
+        return None
+    try:
+        ad = record_adapter(engine, lora)
+    except KVServeError as e:
+        raise MoveRefused(f"the stream's LoRA adapter {lora['name']!r}: {e}") from None
+    assert ad is not None and engine.adapters is not None
+    engine.adapters.pin(ad)
+    if engine.adapters.acquire(ad) < 0:
+        engine.adapters.unpin(ad)
+        raise MoveRefused(f"no LoRA slot free for adapter {ad.name!r}: every slot is held by "
+                          "running streams of other adapters", snapshot=True)
+    return ad
+
+
+def _let_go(engine: LLMEngine, ad: Adapter | None) -> None:
+    if ad is not None and engine.adapters is not None:
+        engine.adapters.release(ad)
+        engine.adapters.unpin(ad)

@@ -27,6 +27,12 @@ device (`Sequence.inflight_row`): it is planned one token further, with that tok
 input. A stream that will certainly finish with that token (its length limit) is not
 planned again, one with `requires_sync` waits for the token, and a parked stream is not
 admitted until its last token has arrived.
+
+LoRA (`adapters.py`): a stream of an adapter is admitted only with its adapter in a device
+slot (copied in from host memory at admission when it is not); one whose adapter finds every
+slot held by running streams of other adapters waits while the streams behind it go ahead.
+Running streams keep their adapter's slot; parking or finishing lets it go. The running
+streams are kept grouped by adapter, so each adapter's rows of a step are contiguous.
 """
 
 from __future__ import annotations
@@ -35,11 +41,15 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.kvcache.host_cache import ParkedKV
 from kvserve.kvcache.manager import KVCacheFull, KVCacheManager, PrefixHit, StepPlan, StreamStep
 from kvserve.workers.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from kvserve.workers.engine.adapters import AdapterManager
 
 PreemptionPolicy = Callable[[list[Sequence], KVCacheManager], Sequence]
 
@@ -61,8 +71,11 @@ class Scheduler:
         preemption: str | PreemptionPolicy = "newest",
         admission_lookahead: int = 128,
         max_evictions_per_request: int = 4,
+        adapters: AdapterManager | None = None,
     ) -> None:
         self.kv = kv
+        self.adapters = adapters
+        self._regroup = False  # a LoRA stream joined the running list: group it by adapter
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.choose_victim = PREEMPTION_POLICIES[preemption] if isinstance(preemption, str) else preemption
@@ -102,6 +115,29 @@ class Scheduler:
             self.waiting.remove(seq)
         self.release_parked(seq)
         self.kv.free(seq.request_id)
+        self.leave(seq)
+
+    def leave(self, seq: Sequence) -> None:
+        """A stream left this engine (finished, aborted, moved away): its adapter's slot and
+        host copy are no longer held for it."""
+        self.stop_running(seq)
+        ad = seq.lora
+        if ad is not None and seq.lora_pinned:
+            seq.lora_pinned = False
+            ad_mgr = self.adapters
+            assert ad_mgr is not None
+            ad_mgr.unpin(ad)
+
+    def regroup(self) -> None:
+        """A LoRA stream joined the running list from outside an admission (a live move)."""
+        self._regroup = True
+
+    def stop_running(self, seq: Sequence) -> None:
+        """A stream stopped running (parked, or leaving): its adapter's slot may go."""
+        if seq.lora_slot >= 0:
+            seq.lora_slot = -1
+            assert self.adapters is not None and seq.lora is not None
+            self.adapters.release(seq.lora)
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Drop finished streams, in one pass over the running list (under asynchronous
@@ -116,6 +152,8 @@ class Scheduler:
         for seq in seqs:
             self.release_parked(seq)
             self.kv.free(seq.request_id)
+            if seq.lora is not None:
+                self.leave(seq)
 
     def release_parked(self, seq: Sequence) -> None:
         """Drop a parked stream's host pins (after its in-flight copy, if any, completed)."""
@@ -168,6 +206,7 @@ class Scheduler:
                     # put the newest admitted prompt back and try with one fewer
                     for s in reversed(admitted):
                         self.running.remove(s)
+                        self.stop_running(s)
                         s.status = Status.WAITING
                         (self.parked if s.parked_kv is not None else self.waiting).appendleft(s)
                     max_admit = len(admitted) - 1
@@ -199,6 +238,9 @@ class Scheduler:
         bs = kv.block_size
         lookahead = self.lookahead_blocks
         states = kv.streams
+        if self._regroup:  # each adapter's streams side by side (a stable sort: base first)
+            self.running.sort(key=_slot_of)
+            self._regroup = False
         for s in self.running:
             if budget <= 0:
                 break
@@ -234,6 +276,7 @@ class Scheduler:
                 if grow > 0:
                     free -= grow
         admitted: list[Sequence] = []
+        blocked: set[int] = set()  # ids of streams whose adapter has no slot this step
         while (
             (self.parked or self.waiting)
             and budget > 0
@@ -242,6 +285,11 @@ class Scheduler:
         ):
             queue = self.parked if self.parked else self.waiting  # parked streams first
             s = queue[0]
+            if blocked:  # streams of adapters without a slot step aside for those behind
+                s = self._next_unblocked(blocked)
+                if s is None:
+                    break
+                queue = self.parked if s in self.parked else self.waiting
             if s.request_id in kv.held or s.inflight_row >= 0:
                 break  # its write-back, or its last token, is still in flight
             ids = s.all_ids
@@ -252,30 +300,51 @@ class Scheduler:
             need = kv.blocks_needed(cached + n) - len(hit.device_blocks)
             if self.running and free - need < headroom:
                 break  # keep room for the running streams' next tokens
+            if s.lora is not None:
+                assert self.adapters is not None
+                slot = self.adapters.acquire(s.lora)
+                if slot < 0:
+                    blocked.add(id(s))
+                    continue
+                s.lora_slot = slot
+                self._regroup = True
             if cached + n < len(ids):
                 partial.append(len(seqs))
-            queue.popleft()
+            if s is queue[0]:
+                queue.popleft()
+            else:
+                queue.remove(s)
             s.status = Status.RUNNING
             self.running.append(s)
             admitted.append(s)
-            steps.append(StreamStep(s.request_id, ids, cached + n, s.parked_kv, use_host=use_host))
+            steps.append(StreamStep(s.request_id, ids, cached + n, s.parked_kv, use_host=use_host,
+                                    root=s.kv_step.root))
             seqs.append(s)
             budget -= n
             free -= need
             headroom += min(self.lookahead_blocks, max(0, kv.blocks_needed(s.max_len) - need))
         return steps, seqs, admitted
 
+    def _next_unblocked(self, blocked: set[int]) -> Sequence | None:
+        """The first queued stream (parked ones first) not waiting for an adapter slot."""
+        for q in (self.parked, self.waiting):
+            for s in q:
+                if id(s) not in blocked:
+                    return s
+        return None
+
     def _prefix(self, s: Sequence, ids: list[int]) -> tuple[PrefixHit, bool]:
         """An admission's known prefix, and whether it takes the host's part by copy: only
         where copying it in is cheaper than recomputing it. A parked stream keeps the choice."""
         kv = self.kv
-        hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv)
+        root = s.kv_step.root
+        hit = kv.lookup_prefix(ids, len(ids) - 1, s.parked_kv, root=root)
         choice = None
         host_tokens = hit.num_tokens - len(hit.device_blocks) * kv.block_size
         if host_tokens > 0 and kv.host is not None:
             choice = kv.host.cost.choose(host_tokens)
             if not choice.copy:
-                hit = kv.lookup_prefix(ids, len(ids) - 1, None, use_host=False)
+                hit = kv.lookup_prefix(ids, len(ids) - 1, None, use_host=False, root=root)
         if s.parked_kv is not None:
             s.restore_choice = choice or s.parked_kv.choice
         return hit, choice is None or choice.copy
@@ -316,7 +385,7 @@ class Scheduler:
             state = kv.stream(rid)
             hashes = state.block_hashes
             if len(hashes) != n // kv.block_size:  # prefix caching off: hash here
-                hashes = hash_full_blocks(seq.all_ids[:n], kv.block_size)
+                hashes = hash_full_blocks(seq.all_ids[:n], kv.block_size, parent=seq.kv_step.root)
             parked = kv.host.park(state.block_ids, hashes, n)
             kv.hold(rid)
             if parked.transfer is not None and not parked.transfer.done():
@@ -331,7 +400,12 @@ class Scheduler:
             if choice is not None:
                 parked.choice = choice
                 self.writebacks_skipped += 1
+        self.stop_running(seq)
         seq.parked_kv = parked
         seq.num_evictions += 1
         seq.status = Status.WAITING
         self.parked.append(seq)
+
+
+def _slot_of(s: Sequence) -> int:
+    return s.lora_slot

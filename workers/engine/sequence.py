@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from kvserve.outputs import RequestOutput, Usage
 from kvserve.sampling import SamplingParams
 from kvserve.workers.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.workers.structured.state import GrammarState
+
+if TYPE_CHECKING:
+    from kvserve.workers.engine.adapters import Adapter
 
 # Usage((p, c, n)) and RequestOutput((...)) built by tuple.__new__, without a Python frame
 _usage = functools.partial(tuple.__new__, Usage)
@@ -100,6 +104,11 @@ class Sequence:
         # what the scheduler asks the KV manager for this stream while it runs (updated in
         # place every step)
         self.kv_step = StreamStep(request_id, self.all_ids, 0)
+        # its LoRA adapter (None: the base model), the device slot it holds while it runs
+        # (-1 otherwise) and whether it holds the adapter's host copy (from creation to exit)
+        self.lora: Adapter | None = None
+        self.lora_slot = -1
+        self.lora_pinned = False
         self.status = Status.WAITING
         # the rest
         self.arrival = arrival

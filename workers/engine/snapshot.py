@@ -10,6 +10,7 @@ or no host tier it drops the KV and recomputes it (the output is the same).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -22,6 +23,7 @@ from kvserve.sampling import SamplingParams
 from kvserve.workers.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
+    from kvserve.workers.engine.adapters import Adapter
     from kvserve.workers.engine.engine import LLMEngine
 
 VERSION = 2  # 2: block-major KV
@@ -57,7 +59,26 @@ def stream_record(engine: LLMEngine, seq: Sequence) -> dict[str, Any]:
         "top_logprobs": seq.top_logprobs,
         "num_cached_prompt": seq.num_cached_prompt,
         "num_evictions": seq.num_evictions,
+        # its LoRA adapter (name, where it was loaded from, content digest), or None
+        "lora": seq.lora.record() if seq.lora is not None else None,
     }
+
+
+def record_adapter(engine: LLMEngine, lora: dict[str, Any] | None) -> Adapter | None:
+    """The adapter a record's stream runs with, on this engine: the one loaded under its
+    name, or loaded here from where the source loaded it. It must be the same adapter (its
+    digest): KV and tokens computed under one adapter mean nothing under another."""
+    if lora is None:
+        return None
+    name = lora["name"]
+    ad = engine.adapters.get(name) if engine.adapters is not None else None
+    if ad is None:  # from the same directory where this host sees it, else its source
+        engine.add_lora(name, lora["path"] if os.path.isdir(lora["path"]) else lora["source"])
+        ad = engine.resolve_lora(name)
+    if ad.digest.hex() != lora["digest"]:
+        raise InvalidRequestError(f"the stream's LoRA adapter {name!r} differs from the one "
+                                  f"loaded here under that name ({ad.source})")
+    return ad
 
 
 def sequence_from_record(engine: LLMEngine, r: dict[str, Any],
@@ -69,8 +90,13 @@ def sequence_from_record(engine: LLMEngine, r: dict[str, Any],
             f"snapshot is for a model with {r['model']}, this engine runs {model_geometry(engine)}")
     rid = request_id or r["request_id"]
     params = SamplingParams(**r["params"])
-    seq = engine.make_sequence(r["prompt_ids"], params, rid, r["priority"])
-    _restore_sequence(seq, r)
+    adapter = record_adapter(engine, r.get("lora"))
+    seq = engine.make_sequence(r["prompt_ids"], params, rid, r["priority"], adapter)
+    try:
+        _restore_sequence(seq, r)
+    except BaseException:
+        engine.discard(seq)
+        raise
     return seq
 
 
@@ -120,7 +146,7 @@ def import_stream(engine: LLMEngine, data: bytes, request_id: str | None = None)
         src = _DTYPES[kv["dtype"]]
         t = torch.frombuffer(bytearray(kv["data"]), dtype=torch.uint8).view(src).view(kv["shape"])
         n = kv["tokens"]
-        hashes = hash_full_blocks(seq.all_ids[:n], engine.kv.block_size)
+        hashes = hash_full_blocks(seq.all_ids[:n], engine.kv.block_size, parent=seq.kv_step.root)
         parked = host.adopt(t.to(host.kv.dtype), hashes, n)
         parked.num_tokens = r["computed_tokens"]
     seq.parked_kv = parked

@@ -128,11 +128,13 @@ class StepForward:
             self.graphs.capture(progress)
 
     def forward_step(self, step: StepInputs, block_tables: Sequence[Sequence[int]],
-                     extras: list[np.ndarray], prev: DeviceTokens | None = None) -> torch.Tensor:
+                     extras: list[np.ndarray], prev: DeviceTokens | None = None,
+                     eager: bool = False) -> torch.Tensor:
         """Logits [S, vocab] of the step; `extras` (the block-table changes, then the rows
-        of the ids still on the device) travel with its inputs in one copy."""
+        of the ids still on the device) travel with its inputs in one copy. `eager`: no CUDA
+        graph (a step with LoRA adapters)."""
         graphs = self.graphs
-        if graphs is not None and graphs.tables is self._device_tables():
+        if graphs is not None and not eager and graphs.tables is self._device_tables():
             key = graphs.key_for(step, sum(a.size for a in extras))
             if key is not None:
                 views = graphs.stage(key, step, extras)

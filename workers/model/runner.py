@@ -28,6 +28,7 @@ from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.sharding import ShardLayout
 from kvserve.workers.model.forward import DTYPES, DeviceTokens, Progress, StepForward
 from kvserve.workers.model.layers.parallel import TensorParallel
+from kvserve.workers.model.lora import LoRASlots
 from kvserve.workers.model.models.registry import build_model
 from kvserve.workers.model.step_inputs import build_step
 
@@ -122,6 +123,10 @@ class ModelRunner(StepForward):
             cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
             quantized=loaded.quantized, quantized_decode=config.quantized_decode, tp=tp,
         )
+        # LoRA: the adapted linears get their device slots before any graph is captured
+        self.lora: LoRASlots | None = None
+        if config.lora_enabled:
+            self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank)
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
         window, width = table_geometry(cfg, config)
@@ -205,37 +210,41 @@ class ModelRunner(StepForward):
         plan = self.kv.reserve(steps)
         return plan, self.run(plan)
 
-    def run(self, plan: StepPlan, prev: DeviceTokens | None = None) -> torch.Tensor:
-        """Apply a reserved plan: forward, then commit; on any error roll the plan back."""
-        logits = self.launch(plan, prev)
+    def run(self, plan: StepPlan, prev: DeviceTokens | None = None,
+            lora: np.ndarray | None = None) -> torch.Tensor:
+        """Apply a reserved plan: forward, then commit; on any error roll the plan back.
+        `lora`: each planned stream's adapter slot (-1: the base), or None (all base)."""
+        logits = self.launch(plan, prev, lora)
         self.kv.commit(plan)
         return logits
 
-    def launch(self, plan: StepPlan, prev: DeviceTokens | None = None) -> torch.Tensor:
+    def launch(self, plan: StepPlan, prev: DeviceTokens | None = None,
+               lora: np.ndarray | None = None) -> torch.Tensor:
         """The plan's forward (on CUDA: queued, not waited for); on any error the plan is
         rolled back. The caller commits it (`kv.commit`) once its tokens are known."""
         try:
             self._move_blocks(plan)
             if self.host is None or plan.num_tokens - len(plan.streams) < self._sample_tokens:
-                return self._forward(plan, prev)
-            return self._timed_forward(plan, prev)
+                return self._forward(plan, prev, lora)
+            return self._timed_forward(plan, prev, lora)
         except BaseException:
             self.kv.rollback(plan)
             raise
 
-    def _timed_forward(self, plan: StepPlan, prev: DeviceTokens | None) -> torch.Tensor:
+    def _timed_forward(self, plan: StepPlan, prev: DeviceTokens | None,
+                       lora: np.ndarray | None) -> torch.Tensor:
         """A step with prompt tokens, timed into the cost model's prefill rate (on CUDA by
         events on the compute stream, read in a later step once they have fired)."""
         host = self.host
         assert host is not None
         if self.device.type != "cuda":
             t0 = time.perf_counter()
-            logits = self._forward(plan, prev)
+            logits = self._forward(plan, prev, lora)
             host.cost.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
             return logits
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        logits = self._forward(plan, prev)
+        logits = self._forward(plan, prev, lora)
         end.record()
         self._step_events.append((start, end, plan.num_tokens))
         return logits
@@ -264,8 +273,11 @@ class ModelRunner(StepForward):
         if pairs:
             self.host.restore([h for h, _ in pairs], [d for _, d in pairs])
 
-    def _forward(self, plan: StepPlan, prev: DeviceTokens | None = None) -> torch.Tensor:
+    def _forward(self, plan: StepPlan, prev: DeviceTokens | None = None,
+                 lora: np.ndarray | None = None) -> torch.Tensor:
         step = build_step(plan, self.block_size, self.max_model_len)
+        # a step with adapters runs eagerly (its rows' adapters are not part of any graph)
+        eager = self.lora is not None and self.lora.set_step(lora, step.query_lens)
         # what follows the step's own inputs in its one copy: table changes, device ids
         extras: list[np.ndarray] = []
         if self.ranks is None:
@@ -273,7 +285,7 @@ class ModelRunner(StepForward):
                 extras += self.tables.pending()
             if prev is not None and len(prev.streams):
                 extras += [step.logits_indices[prev.streams], prev.rows]
-            return self.forward_step(step, [p.block_ids for p in plan.streams], extras, prev)
+            return self.forward_step(step, [p.block_ids for p in plan.streams], extras, prev, eager)
         self.ranks.send_step(step)  # the same inputs to every rank, then the same forward
         try:
             if self.tables is not None:

@@ -400,6 +400,14 @@ livenessProbe:
   "queue_timeout_s" .queueTimeoutS "drain_timeout_s" .drainTimeoutS) }}
 {{- end }}
 {{- end }}
+{{- $lora := $s.lora | default dict }}
+{{- if or $lora.enabled $lora.adapters }}
+{{- $_ := set $args "enable_lora" true }}
+{{- $_ := set $args "loras" ($lora.adapters | default list) }}
+{{- $_ := set $args "max_loras" $lora.maxLoras }}
+{{- $_ := set $args "max_lora_rank" $lora.maxLoraRank }}
+{{- $_ := set $args "max_cpu_loras" $lora.maxCpuLoras }}
+{{- end }}
 {{- $http := dict "host" "0.0.0.0" "port" $s.httpPort }}
 {{- $env := dict }}
 {{- if .Values.tls.enabled }}
