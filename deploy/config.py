@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -13,6 +13,11 @@ from kvserve.deploy.autoscaling import AutoscalingSettings
 from kvserve.router.config import RouterConfig
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
+# prompts shorter than this are prefilled where they decode (disaggregated serving): one KV
+# block. On the CPU host a hand-off (13-30 ms up to 512 tokens) stalls the decode worker's
+# streams less than a local prefill of more than a few tokens (about 8 ms a token);
+# docs/benchmarks.md, "Disaggregated serving"
+DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 16
 # where `kvserve serve` starts Serve's proxies unless told otherwise
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_HTTP_HOST = 9000, 8000, "127.0.0.1"
 
@@ -33,11 +38,13 @@ class ServeConfig(BaseModel):
                           "the Hub repository id",
     )
     num_workers: int = Field(
-        1, ge=1, description="worker actors, one engine each; with autoscaling, the workers "
-                             "it starts with (default: max(1, min_workers))")
+        1, ge=0, description="mixed worker actors, one engine each (0 with prefill_workers "
+                             "and decode_workers, the default then); with autoscaling, the "
+                             "workers it starts with (default: max(1, min_workers))")
     autoscaling: AutoscalingSettings | None = Field(
         None, description="the worker pool follows the load between min_workers and "
-                          "max_workers (None: a fixed pool of num_workers)")
+                          "max_workers (None: a fixed pool of num_workers); mixed workers "
+                          "only, not with prefill_workers and decode_workers")
     num_gpus_per_worker: float = Field(
         0, ge=0, description="0 on CPU; a tensor-parallel worker's GPUs: one per rank")
     num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
@@ -156,6 +163,116 @@ class ServeConfig(BaseModel):
                                       "pre-copy round may spend copying")
     live_move_growth_tokens: int = Field(
         256, ge=0, description="tokens a live move's target reserves for the stream's growth")
+
+    # disaggregated serving: prefill on one worker, decode on another (docs/serving.md)
+    prefill_workers: int = Field(
+        0, ge=0, description="prefill workers: they run prompts, send the first token and "
+                             "hand the streams to decode workers (with decode_workers)")
+    decode_workers: int = Field(
+        0, ge=0, description="decode workers: they take streams from prefill workers and "
+                             "prefill short prompts themselves (with prefill_workers)")
+    prefill_gpus_per_worker: float | None = Field(
+        None, ge=0, description="a prefill worker's GPUs; None = num_gpus_per_worker")
+    decode_gpus_per_worker: float | None = Field(
+        None, ge=0, description="a decode worker's GPUs; None = num_gpus_per_worker")
+    prefill_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="a prefill worker's tensor-parallel size; None = "
+                                "tensor_parallel_size")
+    decode_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="a decode worker's tensor-parallel size; None = "
+                                "tensor_parallel_size")
+    disagg_min_prompt_tokens: int = Field(
+        DEFAULT_DISAGG_MIN_PROMPT_TOKENS, ge=0,
+        description="prompts shorter than this are prefilled on their decode worker")
+    disagg_local_prefix_share: float = Field(
+        0.5, ge=0, le=1, description="prompts this share of which is cached on their decode "
+                                     "worker are prefilled there")
+    disagg_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="a hand-off that fails: recompute the stream on a decode "
+                                 "worker, or fail the request")
+    disagg_lease_s: float = Field(
+        60.0, gt=0, description="a decode worker's reservation, or a prefill worker's held "
+                                "stream, that nobody renews or sends for this long is freed")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_mixed_with_roles(cls, data: Any) -> Any:
+        # with prefill and decode workers, the mixed workers default to none
+        if (isinstance(data, dict) and "num_workers" not in data
+                and (data.get("prefill_workers") or data.get("decode_workers"))):
+            data = {**data, "num_workers": 0}
+        return data
+
+    @model_validator(mode="after")
+    def _autoscaling_mixed_only(self) -> ServeConfig:
+        # (before the role and autoscaling checks: this is the one error such a config gets)
+        if self.autoscaling is not None and (self.prefill_workers or self.decode_workers):
+            raise ValueError(
+                "autoscaling works on mixed workers only; autoscaling (--min-workers, "
+                "--max-workers) cannot be combined with prefill_workers and decode_workers "
+                "(--prefill-workers, --decode-workers): drop one of them")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_workers or self.decode_workers)
+
+    @property
+    def total_workers(self) -> int:
+        return self.num_workers + self.prefill_workers + self.decode_workers
+
+    def roles(self) -> list[str]:
+        """Each worker's role, by index (prefill workers first); [] = all mixed."""
+        if not self.disaggregated:
+            return []
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+
+    def role_gpus(self, role: str) -> float:
+        g = self.prefill_gpus_per_worker if role == "prefill" else \
+            self.decode_gpus_per_worker if role == "decode" else None
+        return self.num_gpus_per_worker if g is None else g
+
+    def role_tensor_parallel_size(self, role: str) -> int:
+        tp = self.prefill_tensor_parallel_size if role == "prefill" else \
+            self.decode_tensor_parallel_size if role == "decode" else None
+        return self.tensor_parallel_size if tp is None else tp
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ServeConfig:
+        if not self.disaggregated:
+            if self.num_workers < 1:
+                raise ValueError("num_workers (--workers) must be at least 1 (or give "
+                                 "prefill_workers and decode_workers)")
+            for name in ("prefill_gpus_per_worker", "decode_gpus_per_worker",
+                         "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs prefill_workers and decode_workers "
+                                     "(--prefill-workers, --decode-workers)")
+            return self
+        if not (self.prefill_workers and self.decode_workers):
+            have, need = (("prefill_workers", "decode_workers") if self.prefill_workers
+                          else ("decode_workers", "prefill_workers"))
+            raise ValueError(f"{have} (--{have.replace('_', '-')}) needs {need} "
+                             f"(--{need.replace('_', '-')}) too: prefill workers hand their "
+                             "streams to decode workers")
+        if self.num_workers:
+            raise ValueError(f"num_workers (--workers) {self.num_workers} mixed workers cannot "
+                             "be combined with prefill and decode workers: set it to 0")
+        for role in ("prefill", "decode"):
+            tp, gpus = self.role_tensor_parallel_size(role), self.role_gpus(role)
+            if tp > 1 and gpus > 0 and gpus != tp:
+                raise ValueError(f"a {role} worker with tensor-parallel size {tp} runs one rank "
+                                 f"per GPU: {role}_gpus_per_worker must be {tp}, got {gpus:g}")
+            if tp > 1 and gpus == 0 and self.num_cpus_per_worker == 0:
+                raise ValueError("a tensor-parallel worker reserves its devices as a placement "
+                                 "group: num_cpus_per_worker must be > 0 on CPU workers")
+        on_gpu = {r: self.role_gpus(r) > 0 for r in ("prefill", "decode")}
+        if on_gpu["prefill"] != on_gpu["decode"] and self.engine.get("dtype", "auto") == "auto":
+            gpu, cpu = ("prefill", "decode") if on_gpu["prefill"] else ("decode", "prefill")
+            raise ValueError(f"{gpu} workers run on GPUs (bfloat16 KV) and {cpu} workers on the "
+                             "CPU (float32 KV): their KV cannot be exchanged; give both roles "
+                             "GPUs, or one dtype (engine.dtype, --dtype)")
+        return self
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -285,8 +402,14 @@ class ServeConfig(BaseModel):
         })
 
     def router_config(self) -> RouterConfig:
+        role_engine = {r: {"tensor_parallel_size": self.role_tensor_parallel_size(r)}
+                       for r in ("prefill", "decode")
+                       if self.disaggregated
+                       and self.role_tensor_parallel_size(r) != self.tensor_parallel_size}
+        role_gpus = {r: self.role_gpus(r) for r in ("prefill", "decode")
+                     if self.disaggregated and self.role_gpus(r) != self.num_gpus_per_worker}
         return RouterConfig(
-            num_workers=self.num_workers, engine=self.engine_config().model_dump(),
+            num_workers=self.total_workers, engine=self.engine_config().model_dump(),
             num_cpus_per_worker=self.num_cpus_per_worker,
             num_gpus_per_worker=self.num_gpus_per_worker,
             stream_interval_ms=self.stream_interval_ms, routing_policy=self.routing_policy,
@@ -303,6 +426,12 @@ class ServeConfig(BaseModel):
                        "pressure_use": self.migration_pressure_use,
                        "copy_share": self.live_move_copy_share,
                        "growth_tokens": self.live_move_growth_tokens},
+            roles=self.roles(), role_engine=role_engine, role_gpus=role_gpus,
+            disagg={"min_prompt_tokens": self.disagg_min_prompt_tokens,
+                    "local_prefix_share": self.disagg_local_prefix_share,
+                    "failure_policy": self.disagg_failure_policy,
+                    "lease_s": self.disagg_lease_s,
+                    "growth_tokens": self.live_move_growth_tokens},
         )
 
     def engine_config(self) -> EngineConfig:

@@ -144,6 +144,7 @@ def _stream_response(
         logprobs=_logprobs(svc, c["token_ids"], c.get("logprobs"), c.get("top_logprobs")),
         tool_calls=[pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
                                      arguments=d.arguments) for d in deltas],
+        prefill_worker_id=c.get("prefill_worker_id", c["worker_id"]),
     )
 
 
@@ -233,6 +234,7 @@ class GrpcFrontend:
             worker_id=r.worker_id, model=req.lora or self.service.model_name,
             logprobs=_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs),
             tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
+            prefill_worker_id=r.prefill_worker_id or r.worker_id,
         )
 
     async def _stream(
@@ -318,6 +320,7 @@ class GrpcFrontend:
                          for s in w.get("streams", [])],
                 lora_device=w.get("loras", {}).get("device", []),
                 lora_host=w.get("loras", {}).get("host", []),
+                role=w.get("role", "mixed"),
             )
             for w in info["workers"]
         ]

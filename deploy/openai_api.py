@@ -278,10 +278,13 @@ async def respond(
             else:
                 choice["message"] = {"role": "assistant", "content": r.text}
             choices.append(choice)
-        return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
-                "created": created, "model": req.lora or svc.model_name, "choices": choices,
-                "usage": _usage(_total_usage([r.usage for r in results])),
-                "kvserve_worker": results[0].worker_id}
+        return JSONResponse(
+            {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
+             "created": created, "model": req.lora or svc.model_name, "choices": choices,
+             "usage": _usage(_total_usage([r.usage for r in results])),
+             "kvserve_worker": results[0].worker_id},
+            headers=worker_headers(results[0].worker_id,
+                                   results[0].prefill_worker_id or results[0].worker_id))
 
     chunks = stream_all(svc, reqs, leases)
     try:
@@ -289,11 +292,23 @@ async def respond(
     except BaseException:  # an error status, or the client left before the first chunk
         leases.close()
         raise
+    c = first[1]
     return LeasedStreamingResponse(
         _sse(svc, chunks, first, rid, created, kind, body.include_usage(), _plan(body),
              req.lora or svc.model_name), leases,
         media_type="text/event-stream",
+        # sent before the stream: the worker it decodes on as routed (a hand-off that is
+        # recomputed elsewhere, or a later move, ends it on another: `kvserve_worker` says)
+        headers=worker_headers(c.get("decode_worker_id", c["worker_id"]),
+                               c.get("prefill_worker_id", c["worker_id"])),
     )
+
+
+def worker_headers(worker: str, prefill_worker: str) -> dict[str, str]:
+    """`x-kvserve-worker`: the worker that decodes the request (of its first choice);
+    `x-kvserve-prefill-worker`: the one that ran its prompt (the same one unless a prefill
+    worker handed it over, disaggregated serving)."""
+    return {"x-kvserve-worker": worker, "x-kvserve-prefill-worker": prefill_worker}
 
 
 def _plan(body: _SamplingFields) -> ToolPlan | None:

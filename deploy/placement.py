@@ -49,7 +49,10 @@ class Demand:
     num_workers: int
     bundle: Mapping[str, float]  # what one worker reserves on one node
     tensor_parallel_size: int = 1
-    count_flag: str = "--workers"  # the setting that asks for that many workers
+    # "prefill", "decode" (the workers of one role: their flags are named), "both" (all
+    # workers of a deployment with roles, whose roles reserve the same bundle)
+    role: str = ""
+    count_flag: str = "--workers"  # the setting that asks for that many mixed workers
 
 
 def demand_of(cfg: ServeConfig) -> Demand:
@@ -58,7 +61,25 @@ def demand_of(cfg: ServeConfig) -> Demand:
         else "--workers"
     return Demand(cfg.most_workers(),
                   worker_bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker),
-                  cfg.tensor_parallel_size, flag)
+                  cfg.tensor_parallel_size, count_flag=flag)
+
+
+def demands_of(cfg: ServeConfig) -> list[Demand]:
+    """What the workers need: one demand, or with prefill and decode workers one per role
+    and (where both roles reserve the same bundle) all of them together. Each is a
+    condition the nodes must meet; roles with different bundles are not packed jointly, so
+    a deployment that passes may still leave a worker waiting."""
+    if not cfg.disaggregated:
+        return [demand_of(cfg)]
+    per_role = [Demand(n, worker_bundle(cfg.num_cpus_per_worker, cfg.role_gpus(role)),
+                       cfg.role_tensor_parallel_size(role), role)
+                for role, n in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers))]
+    a, b = per_role
+    if dict(a.bundle) == dict(b.bundle):
+        both = Demand(a.num_workers + b.num_workers, a.bundle,
+                      max(a.tensor_parallel_size, b.tensor_parallel_size), "both")
+        return [*per_role, both]
+    return per_role
 
 
 def fit_count(bundle: Mapping[str, float], resources: Mapping[str, float]) -> float:
@@ -83,10 +104,12 @@ def unplaceable(demand: Demand, nodes: Sequence[Node]) -> str | None:
     tp = demand.tensor_parallel_size
     one = format_resources(bundle) + (
         f" on one node (its {tp} tensor-parallel ranks' devices together)" if tp > 1 else "")
+    kind = {"": "worker", "both": "prefill and decode worker"}.get(demand.role,
+                                                                  f"{demand.role} worker")
     if held == 0:
-        why = f"no node can hold one worker, which needs {one}"
+        why = f"no node can hold one {kind}, which needs {one}"
     else:
-        why = f"{n} workers need {one} each, and the nodes hold {held} at once"
+        why = f"{n} {kind}s need {one} each, and the nodes hold {held} at once"
     return (f"{why}; the nodes have {_nodes_text(bundle, nodes)}. Ways out: "
             + "; ".join(_ways_out(demand, nodes, held)))
 
@@ -103,10 +126,13 @@ def _nodes_text(bundle: Mapping[str, float], nodes: Sequence[Node]) -> str:
 
 def _ways_out(demand: Demand, nodes: Sequence[Node], held: int) -> list[str]:
     bundle, n, tp = dict(demand.bundle), demand.num_workers, demand.tensor_parallel_size
+    role = f"{demand.role}-" if demand.role in ("prefill", "decode") else ""
     ways = []
     if held > 0:
-        ways.append(f"{demand.count_flag} {held}")
-    for key, flag in (("CPU", "--cpus-per-worker"), ("GPU", "--gpus-per-worker")):
+        ways.append(f"fewer --prefill-workers and --decode-workers ({held} in all)"
+                    if demand.role == "both" else f"--{role}workers {held}" if role
+                    else f"{demand.count_flag} {held}")
+    for key, flag in (("CPU", "--cpus-per-worker"), ("GPU", f"--{role}gpus-per-worker")):
         if key not in bundle or (key == "GPU" and tp > 1):
             continue
         share = _largest_share(bundle, key, nodes, n)
@@ -114,10 +140,11 @@ def _ways_out(demand: Demand, nodes: Sequence[Node], held: int) -> list[str]:
             shared = " (workers share a GPU)" if key == "GPU" and share < 1 else ""
             ways.append(f"{flag} {share:g}{shared}")
         elif key == "GPU" and not any(nd.resources.get("GPU", 0) > 0 for nd in nodes):
-            ways.append("--gpus-per-worker 0 (CPU workers: no node has a GPU)")
+            ways.append(f"{flag} 0 (CPU workers: no node has a GPU)")
     if tp > 1 and "GPU" in bundle:  # (on CPU workers the size does not change the bundle)
         most = max((nd.resources.get("GPU", 0.0) for nd in nodes), default=0.0)
-        ways.append(f"a smaller --tensor-parallel-size (the most GPUs on one node: {most:g})")
+        ways.append(f"a smaller --{role}tensor-parallel-size (the most GPUs on one node: "
+                    f"{most:g})")
     ways.append("more or larger nodes (a larger Ray, or a cluster with an autoscaler)")
     return ways
 
@@ -192,7 +219,8 @@ def check_placement(cfg: ServeConfig, own_ray: bool = False) -> None:
     nodes, and the cluster cannot add any (`own_ray`: a Ray kvserve started, which cannot).
     Where it may add nodes, or cannot tell, the workers that do not fit wait for a node
     (logged here; the router shows them)."""
-    why = unplaceable(demand_of(cfg), cluster_nodes())
+    nodes = cluster_nodes()
+    why = next((w for w in (unplaceable(d, nodes) for d in demands_of(cfg)) if w), None)
     if why is None:
         return
     scalable = False if own_ray else can_add_nodes()

@@ -122,7 +122,7 @@ def deploy_app(cfg: ServeConfig, start_timeout_s: float | None = None) -> Endpoi
     ), f"Serve's proxies (HTTP {cfg.http_host}:{cfg.http_port}, gRPC :{cfg.grpc_port})", deadline)
     tls.check_running_serve(cfg)
     _until_ready(lambda: serve.run(build_app(cfg), name=APP_NAME, route_prefix="/"),
-                 f"the {APP_NAME} application (router, {cfg.num_workers} worker(s) loading the "
+                 f"the {APP_NAME} application (router, {_workers(cfg)} loading the "
                  "model, ingress) and the proxies serving it", deadline)
     host = "127.0.0.1" if cfg.http_host in ("0.0.0.0", "::") else cfg.http_host
     scheme = "https" if cfg.tls else "http"
@@ -240,7 +240,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
             with signals.kept():
                 own = start_ray(cfg, ray_init, ray_host)
             check_placement(cfg, own_ray=own)  # before any model loads
-            print(f"kvserve: deploying {cfg.model_name()} on {cfg.num_workers} worker(s) "
+            print(f"kvserve: deploying {cfg.model_name()} on {_workers(cfg)} "
                   "(the model loads) ...", flush=True)
             ep, shown = _deploy_showing_states(cfg)
             _print_banner(cfg, ep, shown.not_ready())
@@ -307,8 +307,11 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
         return
     # a size the model cannot split, or a max_model_len the KV pool cannot hold: refused
     # before Ray starts
-    if cfg.tensor_parallel_size > 1:
-        check_tensor_parallel(model_config, cfg.tensor_parallel_size, cfg.model or path)
+    sizes = {cfg.role_tensor_parallel_size(r) for r in ("prefill", "decode")} \
+        if cfg.disaggregated else {cfg.tensor_parallel_size}
+    for tp in sorted(sizes):  # (each role's, with prefill and decode workers)
+        if tp > 1:
+            check_tensor_parallel(model_config, tp, cfg.model or path)
     context_limit(model_config, cfg.engine_config())
     _check_adapters(cfg, model_config)
 
@@ -393,12 +396,12 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
 
     ray_ep = ray_endpoints()
     context = _served_context(cfg)
-    n = cfg.num_workers
-    serving = f"{n - len(not_ready)} of {n}" if not_ready else f"{n}"
+    n = cfg.total_workers
+    serving = f"{n - len(not_ready)} of {_workers(cfg)}" if not_ready else _workers(cfg)
     a = cfg.autoscaling
     scaling = (f", autoscaling {a.min_workers}..{a.max_workers} (delays: up "
                f"{a.upscale_delay_s:g} s, down {a.downscale_delay_s:g} s)" if a else "")
-    print(f"kvserve: serving {cfg.model_name()} on {serving} worker(s){scaling}"
+    print(f"kvserve: serving {cfg.model_name()} on {serving}{scaling}"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
     for worker, state in not_ready.items():
         print(f"  {worker:<10} {state}")
@@ -421,6 +424,13 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
     if warning:
         print(f"  WARNING    {warning}")
     print("Ctrl-C to stop", flush=True)
+
+
+def _workers(cfg: ServeConfig) -> str:
+    """"2 worker(s)", or "1 prefill + 2 decode worker(s)"."""
+    if cfg.disaggregated:
+        return f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+    return f"{cfg.num_workers} worker(s)"
 
 
 def _served_context(cfg: ServeConfig) -> int | None:
@@ -480,7 +490,8 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--model", action="append", default=None,
                    help=f"{MODEL_HELP}; one per service")
     s.add_argument("--workers", type=int, default=None,
-                   help="worker actors, one engine each (default 1); with autoscaling, the "
+                   help="worker actors (one engine each; default 1, or none with "
+                        "--prefill-workers and --decode-workers); with autoscaling, the "
                         "workers it starts with (default: max(1, --min-workers))")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
@@ -497,6 +508,30 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--placement-timeout-s", type=float, default=900.0,
                    help="a worker that Ray has not placed on a node this long after its start "
                         "is stopped and reported failed, with what it waited for (default 900)")
+    d = s.add_argument_group("disaggregated serving (prefill on one worker, decode on another)")
+    d.add_argument("--prefill-workers", type=int, default=0,
+                   help="workers that run prompts, send the first token and hand the streams "
+                        "to decode workers")
+    d.add_argument("--decode-workers", type=int, default=0,
+                   help="workers that decode the streams handed to them (and prefill short "
+                        "prompts themselves)")
+    d.add_argument("--prefill-gpus-per-worker", type=float, default=None,
+                   help="a prefill worker's GPUs (default: --gpus-per-worker, or its "
+                        "tensor-parallel size on a CUDA host)")
+    d.add_argument("--decode-gpus-per-worker", type=float, default=None,
+                   help="a decode worker's GPUs (default as for prefill workers)")
+    d.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="a prefill worker's tensor-parallel size (default "
+                        "--tensor-parallel-size)")
+    d.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="a decode worker's tensor-parallel size (default "
+                        "--tensor-parallel-size)")
+    d.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
+                   help="prompts shorter than this are prefilled on their decode worker "
+                        "(default 16, measured: docs/benchmarks.md)")
+    d.add_argument("--disagg-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="a hand-off that fails: recompute the stream on a decode worker "
+                        "(default), or fail the request")
     s.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between a stream's chunks (0 = every engine step); "
                         "default: automatic on CPU workers, every step on GPU")
@@ -575,10 +610,16 @@ def config_from_args(a: Any) -> ServeConfig:
         "dtype": a.dtype, "block_size": a.block_size, "host_cache_gib": a.host_cache_gib,
         "host_restore_policy": a.host_restore_policy}.items() if v is not None}
     gpus = a.gpus_per_worker
+    role_gpus = {"prefill": a.prefill_gpus_per_worker, "decode": a.decode_gpus_per_worker}
     if gpus is None:
         import torch
 
-        gpus = a.tensor_parallel_size if torch.cuda.is_available() else 0
+        cuda = torch.cuda.is_available()
+        gpus = a.tensor_parallel_size if cuda else 0
+        for role, tp in (("prefill", a.prefill_tensor_parallel_size),
+                         ("decode", a.decode_tensor_parallel_size)):
+            if role_gpus[role] is None and tp is not None:  # one GPU per rank
+                role_gpus[role] = tp if cuda else 0
     from pydantic import ValidationError
 
     try:
@@ -586,7 +627,7 @@ def config_from_args(a: Any) -> ServeConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
-        return _serve_config(a, engine, gpus, autoscaling)
+        return _serve_config(a, engine, gpus, role_gpus, autoscaling)
     except ValidationError as e:  # one line, as the other start-up errors
         raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
 
@@ -598,11 +639,34 @@ def _error_line(err: Any) -> str:
 
 
 def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
+                  role_gpus: dict[str, float | None],
                   autoscaling: dict[str, Any] | None) -> ServeConfig:
-    # an unset --workers stays unset: with autoscaling the pool starts at its minimum
-    workers = {} if a.workers is None else {"num_workers": a.workers}
+    roles: dict[str, Any] = {}
+    if a.prefill_workers or a.decode_workers:
+        roles = {"prefill_workers": a.prefill_workers, "decode_workers": a.decode_workers,
+                 "prefill_gpus_per_worker": role_gpus["prefill"],
+                 "decode_gpus_per_worker": role_gpus["decode"],
+                 "prefill_tensor_parallel_size": a.prefill_tensor_parallel_size,
+                 "decode_tensor_parallel_size": a.decode_tensor_parallel_size,
+                 "disagg_failure_policy": a.disagg_failure_policy}
+        if a.disagg_min_prompt_tokens is not None:
+            roles["disagg_min_prompt_tokens"] = a.disagg_min_prompt_tokens
+    else:
+        for flag in ("prefill_gpus_per_worker", "decode_gpus_per_worker",
+                     "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            if getattr(a, flag) is not None:
+                roles[flag] = getattr(a, flag)  # refused by the config, naming it
+        if a.disagg_min_prompt_tokens is not None or a.disagg_failure_policy != "recompute":
+            raise ConfigError("--disagg-min-prompt-tokens and --disagg-failure-policy need "
+                              "--prefill-workers and --decode-workers")
+    # an unset --workers stays unset: with autoscaling the pool starts at its minimum, with
+    # prefill and decode workers there are no mixed ones
+    if a.workers is not None:
+        roles["num_workers"] = a.workers
+    if autoscaling is not None:
+        roles["autoscaling"] = autoscaling  # (refused with prefill and decode workers)
     return ServeConfig(
-        **workers, autoscaling=autoscaling, model=a.model, num_gpus_per_worker=gpus,
+        **roles, num_gpus_per_worker=gpus, model=a.model,
         tensor_parallel_size=a.tensor_parallel_size,
         num_cpus_per_worker=a.cpus_per_worker, engine=engine, grpc_port=a.grpc_port,
         http_port=a.http_port, http_host=a.host, api_keys=a.api_key,

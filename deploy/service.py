@@ -70,6 +70,7 @@ class Result:
     worker_id: str
     logprobs: list[float] | None = None  # per token, when the request asked for them
     top_logprobs: list[list] | None = None  # per token: [[id, logprob], ...] best first
+    prefill_worker_id: str = ""  # the worker that ran the prompt (worker_id unless handed off)
 
 
 class Service:
@@ -309,12 +310,15 @@ class Service:
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,
                                     lambda src, dst, s=slot: self._moved(s, src, dst), slot.slot_id,
-                                    self.tokens)
+                                    self.tokens, handoff=slot.handoff_to is not None)
                 slot.worker = relay.worker
                 async for chunk in relay.chunks(req.prompt_ids, params, req.lora):
                     if "error" in chunk:
                         slot.finished = True
                         raise ServiceError(chunk["error"], chunk["message"])
+                    # where the prompt ran and where the stream decodes (response headers)
+                    chunk["prefill_worker_id"] = slot.prefill_worker_id
+                    chunk["decode_worker_id"] = slot.decode_worker_id
                     sent += len(chunk["token_ids"])
                     slot.finished = chunk["finish_reason"] is not None
                     yield chunk
@@ -398,7 +402,8 @@ class Service:
     ) -> Slot | None:
         async def call() -> dict:
             return await self.router.pick.remote(hashes, req.session_id, tried, req.request_id,
-                                                 req.lora)
+                                                 req.lora, len(req.prompt_ids),
+                                                 req.params.max_tokens)
 
         # Shielded: a caller cancelled mid-pick (client gone, a sibling choice failed) must
         # still give back the slot the router counts for it, or the count leaks for good.
@@ -444,7 +449,8 @@ class Service:
             last = chunk
         assert last is not None
         return Result(req.request_id, "".join(text), ids, last["finish_reason"],
-                      last["stop_reason"], last["usage"], last["worker_id"], lps, tops)
+                      last["stop_reason"], last["usage"], last["worker_id"], lps, tops,
+                      last.get("prefill_worker_id", last["worker_id"]))
 
     def token_text(self, token_id: int) -> str:
         """A token's text on its own (for logprobs), special tokens included."""

@@ -39,7 +39,8 @@ class Slot:
     """One routed attempt of one request: its worker index and the router's slot id."""
 
     __slots__ = ("router", "idx", "worker_id", "slot_id", "request_id", "epoch", "worker",
-                 "finished", "released", "_live")
+                 "finished", "released", "_live", "handoff_to", "prefill_worker_id",
+                 "decode_worker_id")
 
     def __init__(self, router: Any, pick: dict[str, Any], request_id: str,
                  live: dict[str, Slot]) -> None:
@@ -48,6 +49,11 @@ class Slot:
         self.worker_id: str = pick["worker_id"]
         self.slot_id: str = pick["slot_id"]
         self.epoch: str = pick["epoch"]
+        # disaggregated serving: the decode worker the stream is handed to after its first
+        # token (None: it decodes where it starts); where the prompt runs and where it decodes
+        self.handoff_to: int | None = pick.get("handoff_to")
+        self.prefill_worker_id: str = pick["worker_id"]
+        self.decode_worker_id: str = pick.get("handoff_worker_id") or pick["worker_id"]
         self.request_id = request_id
         self.worker: Any = None  # set once the stream starts on it (abort needs it)
         self.finished = False  # the worker ended the request itself: nothing to abort

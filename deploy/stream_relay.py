@@ -1,6 +1,7 @@
 """One logical stream per request, whichever workers serve it.
 
-A worker whose stream was moved ends it with a {"moved_to": idx} item; the relay then
+A worker whose stream was moved (or handed from its prefill worker to its decode worker)
+ends it with a {"moved_to": idx} item; the relay then
 continues on that worker (`start_resume`). Both sides know which tokens were delivered (the
 snapshot carries the output so far and the detokenizer state), so the client sees each
 token exactly once, and the final worker's `usage` counts the whole request. The router
@@ -21,8 +22,10 @@ class StreamRelay:
     def __init__(
         self, workers: list[Any], idx: int, request_id: str,
         on_move: Callable[[int, int], Any], slot_id: str | None = None,
-        demux: TokenDemux | None = None,
+        demux: TokenDemux | None = None, handoff: bool = False,
     ) -> None:
+        """`handoff`: the first worker only prefills; after the first token the router
+        hands the stream to its decode worker, and the relay continues there."""
         self.workers = workers
         self.idx = idx  # the worker serving the stream now
         self.request_id = request_id
@@ -30,6 +33,7 @@ class StreamRelay:
         self.slot_id = slot_id  # the target reports it to the router as its own
         self.demux = demux or TokenDemux()
         self.moves = 0
+        self.handoff = handoff
 
     @property
     def worker(self) -> Any:
@@ -42,8 +46,9 @@ class StreamRelay:
         stream moves to; the move markers themselves are not passed on. `lora`: the LoRA
         adapter it runs with (a moved stream keeps it)."""
         rid, slot_id, worker = self.request_id, self.slot_id, self.worker
+        kw = {"handoff": True} if self.handoff else {}
         start: Start = lambda sub_id, key: worker.start.remote(  # noqa: E731
-            sub_id, rid, prompt_ids, params, slot_id, key, lora=lora)
+            sub_id, rid, prompt_ids, params, slot_id, key, lora=lora, **kw)
         while True:
             moved_to: int | None = None
             async for chunk in self.demux.stream(self.idx, self.worker, rid, start):

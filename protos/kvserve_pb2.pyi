@@ -210,7 +210,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "worker_id", "model", "logprobs", "tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "worker_id", "model", "logprobs", "tool_calls", "prefill_worker_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -231,10 +232,11 @@ class GenerateResponse(_message.Message):
     model: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    prefill_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "delta_text", "delta_token_ids", "finish_reason", "stop_reason", "usage", "worker_id", "model", "logprobs", "tool_calls")
+    __slots__ = ("request_id", "delta_text", "delta_token_ids", "finish_reason", "stop_reason", "usage", "worker_id", "model", "logprobs", "tool_calls", "prefill_worker_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_TEXT_FIELD_NUMBER: _ClassVar[int]
     DELTA_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class GenerateStreamResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     delta_text: str
     delta_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -255,7 +258,8 @@ class GenerateStreamResponse(_message.Message):
     model: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, request_id: _Optional[str] = ..., delta_text: _Optional[str] = ..., delta_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    prefill_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., delta_text: _Optional[str] = ..., delta_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "prompt", "messages")
@@ -331,7 +335,7 @@ class HostTierInfo(_message.Message):
     def __init__(self, restore_policy: _Optional[str] = ..., copy_gbps_d2h: _Optional[float] = ..., copy_gbps_h2d: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., restores: _Optional[_Mapping[str, int]] = ..., writebacks_skipped: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier", "tensor_parallel_size", "devices", "runtime", "streams", "lora_device", "lora_host")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "parked", "free_device_blocks", "total_device_blocks", "held_device_blocks", "held_host_blocks", "restarts", "stats", "inflight", "reconciled_slots", "state", "load_seconds", "host_tier", "tensor_parallel_size", "devices", "runtime", "streams", "lora_device", "lora_host", "role")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +372,7 @@ class WorkerInfo(_message.Message):
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     LORA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     LORA_HOST_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     running: int
@@ -390,7 +395,8 @@ class WorkerInfo(_message.Message):
     streams: _containers.RepeatedCompositeFieldContainer[StreamInfo]
     lora_device: _containers.RepeatedScalarFieldContainer[str]
     lora_host: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., streams: _Optional[_Iterable[_Union[StreamInfo, _Mapping]]] = ..., lora_device: _Optional[_Iterable[str]] = ..., lora_host: _Optional[_Iterable[str]] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., parked: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., held_device_blocks: _Optional[int] = ..., held_host_blocks: _Optional[int] = ..., restarts: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., inflight: _Optional[int] = ..., reconciled_slots: _Optional[int] = ..., state: _Optional[str] = ..., load_seconds: _Optional[float] = ..., host_tier: _Optional[_Union[HostTierInfo, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., runtime: _Optional[_Mapping[str, str]] = ..., streams: _Optional[_Iterable[_Union[StreamInfo, _Mapping]]] = ..., lora_device: _Optional[_Iterable[str]] = ..., lora_host: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class StreamInfo(_message.Message):
     __slots__ = ("request_id", "state", "tokens", "kv_blocks")

@@ -29,6 +29,19 @@ class RouterConfig:
     autoscaling: dict[str, Any] = field(default_factory=dict)
     # per worker index: EngineConfig fields that differ from `engine` (e.g. a smaller pool)
     engine_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # disaggregated serving: each worker's role (mixed, prefill, decode; empty: all mixed),
+    # EngineConfig fields and GPUs per role where they differ (tensor_parallel_size...), and
+    # the DisaggConfig (router/disagg.py) as a dict
+    roles: list[str] = field(default_factory=list)
+    role_engine: dict[str, dict[str, Any]] = field(default_factory=dict)
+    role_gpus: dict[str, float] = field(default_factory=dict)
+    disagg: dict[str, Any] = field(default_factory=dict)
+
+    def role_of(self, idx: int) -> str:
+        return self.roles[idx] if idx < len(self.roles) else "mixed"
+
+    def gpus_of(self, idx: int) -> float:
+        return float(self.role_gpus.get(self.role_of(idx), self.num_gpus_per_worker))
 
     def worker_engine(self, node_cores: int) -> dict[str, Any]:
         """A worker's EngineConfig; on CPU, unset torch threads share the node's cores."""
@@ -46,7 +59,12 @@ class RouterConfig:
         return engine
 
     def engine_of(self, idx: int, engine: dict[str, Any]) -> dict[str, Any]:
-        return {**engine, **self.engine_overrides.get(idx, {})}
+        out = {**engine, **self.role_engine.get(self.role_of(idx), {}),
+               **self.engine_overrides.get(idx, {})}
+        if (self.engine.get("device", "auto") == "auto"
+                and self.gpus_of(idx) != self.num_gpus_per_worker):
+            out["device"] = "cuda" if self.gpus_of(idx) > 0 else "cpu"  # (its role's GPUs)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

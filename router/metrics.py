@@ -37,6 +37,13 @@ def decision_kind(d: Decision, chosen: WorkerView, block_hashes: list[int]) -> s
     return "device_affinity" if on_device else "host_affinity"
 
 
+MOVE_REASONS = ("rebalance", "drain", "operator", "parked")
+MOVE_KEYS = ("reason", "method", "outcome")
+STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BYTE_BUCKETS = tuple(float(1 << k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
+HANDOFF_BUCKETS = (0.001, 0.0025, *STALL_BUCKETS)
+
+
 class RouterMetrics:
     def __init__(self, policy: str, worker_ids: list[str] = ()) -> None:
         from ray.util.metrics import Counter, Gauge
@@ -55,6 +62,7 @@ class RouterMetrics:
             zero(self.decisions, {"kind": kind})
         zero(self.retries)
         self.migration = MigrationMetrics(policy, list(worker_ids))
+        self.disagg = DisaggMetrics(policy)
         self.autoscaler = AutoscalerMetrics(policy)
 
     def picked(self, d: Decision, chosen: WorkerView, block_hashes: list[int], retry: bool) -> None:
@@ -71,9 +79,49 @@ class RouterMetrics:
 
 
 
-MOVE_REASONS = ("rebalance", "drain", "operator", "parked")
-MOVE_KEYS = ("reason", "method", "outcome")
-STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+class DisaggMetrics:
+    """Disaggregated serving: hand-offs by outcome, their time and bytes, and the requests
+    prefilled where they decode, by reason (router/disagg.py)."""
+
+    def __init__(self, policy: str) -> None:
+        from ray.util.metrics import Counter, Histogram
+
+        tags = {"policy": policy}
+        self.handoffs = Counter(
+            "kvserve_disagg_handoffs", "streams handed from a prefill to a decode worker, by "
+            "outcome (moved, recomputed, failed, kept, finished, gone)",
+            tag_keys=("policy", "outcome")).set_default_tags(tags)
+        self.seconds = Histogram(
+            "kvserve_disagg_handoff_seconds", "time a handed-off stream ran on neither worker "
+            "(freeze, copy, commit, release)", boundaries=list(HANDOFF_BUCKETS),
+            tag_keys=("policy",)).set_default_tags(tags)
+        self.bytes = Histogram(
+            "kvserve_disagg_handoff_bytes", "KV bytes of a hand-off",
+            boundaries=list(BYTE_BUCKETS), tag_keys=("policy",)).set_default_tags(tags)
+        self.local = Counter(
+            "kvserve_disagg_local_prefills", "requests of a disaggregated deployment prefilled "
+            "where they decode, by reason", tag_keys=("policy", "reason")).set_default_tags(tags)
+        self.zero()
+
+    def zero(self) -> None:
+        from kvserve.router.disagg import LOCAL_REASONS
+        from kvserve.router.handoff import OUTCOMES
+
+        for o in OUTCOMES:
+            zero(self.handoffs, {"outcome": o})
+        for r in LOCAL_REASONS:
+            zero(self.local, {"reason": r})
+
+    def handoff(self, outcome: str, seconds: float, nbytes: int) -> None:
+        self.handoffs.inc(tags={"outcome": outcome})
+        if outcome == "moved":
+            self.seconds.observe(seconds)
+            self.bytes.observe(nbytes)
+
+    def local_prefill(self, reason: str) -> None:
+        self.local.inc(tags={"reason": reason})
+
+
 ROUND_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 

@@ -65,6 +65,7 @@ class WorkerState:
     parked: list[ParkedStream] = field(default_factory=list)  # oldest first
     running: list[RunningStream] = field(default_factory=list)
     block_size: int = 16
+    takes_streams: bool = True  # a target for moves (not a prefill worker)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ def plan_moves(
     room = {w.idx: w.kv_blocks_free - int(cfg.headroom * w.kv_blocks_total)
             - reserved.get(w.idx, 0)
             for w in workers
-            if w.alive and not w.draining and not w.parked and w.waiting == 0}
+            if w.alive and not w.draining and not w.parked and w.waiting == 0
+            and w.takes_streams}
     candidates = sorted(
         ((s.parked_s, s, w.idx) for w in workers if w.alive for s in w.parked),
         key=lambda c: -c[0],
@@ -132,7 +134,7 @@ def plan_rebalance(
             - reserved.get(w.idx, 0)
             for w in workers
             if w.alive and not w.draining and not w.parked and w.waiting == 0
-            and not pressured(w, cfg)}
+            and w.takes_streams and not pressured(w, cfg)}
     busy = {m for m in moving}
     moves: list[Move] = []
     for w in sorted((w for w in workers if pressured(w, cfg)),
@@ -164,7 +166,7 @@ def plan_rebalance(
 def drain_target(workers: list[WorkerState], src: int, load: dict[int, int]) -> int | None:
     """Where a draining worker's stream goes: the live worker with the least load (then the
     most free KV); None when no other worker can take it."""
-    ok = [w for w in workers if w.alive and not w.draining and w.idx != src]
+    ok = [w for w in workers if w.alive and not w.draining and w.idx != src and w.takes_streams]
     if not ok:
         return None
     return min(ok, key=lambda w: (load.get(w.idx, 0), -w.kv_blocks_free)).idx

@@ -49,9 +49,11 @@ class StreamMover:
     def __init__(
         self, cfg: MigrationConfig, handles: list[Any], views: list[WorkerView],
         sessions: OrderedDict[str, int], max_sessions: int,
-        metrics: MigrationMetrics | None = None,
+        metrics: MigrationMetrics | None = None, roles: list[str] | None = None,
     ) -> None:
         self.cfg = cfg
+        # workers' roles (the router's list): prefill workers take no moved streams
+        self.roles = roles if roles is not None else []
         self.metrics = metrics  # Prometheus export of `counts` and the drain states
         self.sessions = sessions  # the router's session -> worker map (shared, not copied)
         self.max_sessions = max_sessions
@@ -149,8 +151,11 @@ class StreamMover:
                             self.parked.get(v.idx, []),
                             [RunningStream(s["request_id"], s["tokens"], s["blocks"])
                              for s in v.streams if s.get("state") == "running"],
-                            self.block_size)
+                            self.block_size, self._role(v.idx) != "prefill")
                 for v in self.views]
+
+    def _role(self, idx: int) -> str:
+        return self.roles[idx] if idx < len(self.roles) else "mixed"
 
     def stats(self, idx: int) -> dict[str, float]:
         c = self.counts[idx]

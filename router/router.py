@@ -22,12 +22,13 @@ from kvserve.errors import StartupError
 from kvserve.hardware import available_cores
 from kvserve.router.autoscale import AutoscalingConfig
 from kvserve.router.config import RouterConfig
+from kvserve.router.disagg import Disagg, DisaggConfig, check_exchange, check_roles
 from kvserve.router.loras import LoraRegistry
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
 from kvserve.router.placement import WAITING, PlacementWatch, Verdict
-from kvserve.router.policy import RouteRequest, WorkerView, make_policy
+from kvserve.router.policy import Decision, RouteRequest, WorkerView, make_policy
 from kvserve.router.scaler import PoolScaler
 from kvserve.router.worker_state import WorkerState
 from kvserve.workers.placement import worker_bundle
@@ -44,6 +45,8 @@ SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection onl
 MAX_SESSIONS = 100_000
 PLACEMENT_CHECK_S = 1.0  # how often Ray is asked about workers it has not placed yet
 READY_CHECK_S = 0.5  # how often `ready` looks again at workers waiting for resources
+MIXED_ONLY = ("autoscaling works on mixed workers only; turn it off before giving workers the "
+              "prefill and decode roles")
 
 
 class RouterActor:
@@ -54,6 +57,10 @@ class RouterActor:
         self.deployed = RouterConfig(**router_config)
         self.digest = self.deployed.digest()
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
+        self.roles = [self.cfg.role_of(i) for i in range(self.cfg.num_workers)]
+        check_roles(self.roles)
+        if self.cfg.autoscaling.get("enabled") and any(r != "mixed" for r in self.roles):
+            raise ValueError(MIXED_ONLY)
         # new workers Ray has not placed yet; those it never placed in time (stopped)
         self.placement = PlacementWatch(self.cfg.placement_timeout_s)
         self.never_placed: set[int] = set()
@@ -66,8 +73,10 @@ class RouterActor:
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
         self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
-                                 self.sessions, MAX_SESSIONS, self.metrics.migration)
-        # the pool following the load (off: a fixed pool of num_workers)
+                                 self.sessions, MAX_SESSIONS, self.metrics.migration, self.roles)
+        self.disagg = Disagg(DisaggConfig(**self.cfg.disagg), self.roles, self.handles,
+                             self.views, self.metrics.disagg)
+        # the pool following the load (off: a fixed pool of num_workers); mixed workers only
         self.scaler = PoolScaler(self, AutoscalingConfig(**self.cfg.autoscaling),
                                  self.metrics.autoscaler)
         # a restarted router starts new workers: the ingress refetches handles when this changes
@@ -91,14 +100,15 @@ class RouterActor:
         while True:
             try:
                 handle = create_worker(f"worker-{i}", self.cfg.engine_of(i, engine),
-                                       self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker,
+                                       self.cfg.num_cpus_per_worker, self.cfg.gpus_of(i),
                                        name=name, namespace=NAMESPACE,
                                        stream_interval_ms=self.cfg.stream_interval_ms,
                                        model_name=self.cfg.model_name,
-                                       reporter=_own_handle())  # start-up progress comes here
+                                       reporter=_own_handle(),  # start-up progress comes here
+                                       role=self.cfg.role_of(i),
+                                       handoff_lease_s=float(self.cfg.disagg.get("lease_s", 60.0)))
                 self.placement.track(i, handle._actor_id.hex(), worker_bundle(
-                    self.cfg.num_cpus_per_worker, self.cfg.num_gpus_per_worker),
-                    device_group_of(handle))
+                    self.cfg.num_cpus_per_worker, self.cfg.gpus_of(i)), device_group_of(handle))
                 return handle
             except ValueError as e:
                 # the name is still held by the worker of a router that just died (this
@@ -158,15 +168,28 @@ class RouterActor:
             if not errors:
                 raise StartupError("no worker to wait for (every worker is draining)")
             raise errors[0]
+        self._check_exchange()
         if self._info is None:  # the context served is the shortest any worker holds
             self._info = {**answered[0],
                           "max_model_len": min(int(a["max_model_len"]) for a in answered)}
             self.loras.started(answered)
         self.mover.block_size = int(self._info.get("block_size", self.mover.block_size))
+        self.disagg.block_size = self.mover.block_size
         await self._poll_once()
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_loop())
         return self._info
+
+    def _check_exchange(self) -> None:
+        """Prefill and decode workers whose KV cannot be exchanged fail the start, the
+        reason shown as their start-up state (`kvserve serve` prints it)."""
+        why = check_exchange(self.disagg.kv, self.roles)
+        if why is None:
+            return
+        for i, r in enumerate(self.roles):
+            if r != "mixed":
+                self.states[i].report(self.states[i].incarnation, f"failed: {why}", 0.0)
+        raise ValueError(why)
 
     def _answer(self, i: int) -> asyncio.Future:
         """Worker i's answer to `info` (it answers once loaded): its info, or the error.
@@ -195,6 +218,8 @@ class RouterActor:
         v.alive, v.incarnation, v.node_id = True, info["incarnation"], info.get("node_id", "")
         self.states[i].ready(info.get("load_s", 0.0))
         self.placement.forget(i)
+        if "kv" in info:
+            self.disagg.kv[i] = info["kv"]
         self.scaler.worker_ready(i, float(info.get("load_s", 0.0)))
         return info
 
@@ -205,12 +230,25 @@ class RouterActor:
             return
         was_alive = self.views[i].alive
         try:
-            if self._record(i, info) is not None and not was_alive:
-                log.warning("router: %s is ready (node %s)", self.views[i].worker_id,
-                            info.get("node_id", "?"))
+            if self._record(i, info) is not None:
+                self._refuse_unexchangeable(i)
+                if not was_alive and self.views[i].alive:
+                    log.warning("router: %s is ready (node %s)", self.views[i].worker_id,
+                                info.get("node_id", "?"))
         except Exception as e:
             log.error("router: %s failed to start: %s", self.views[i].worker_id, e)
         self.metrics.workers_alive(self.views)
+
+    def _refuse_unexchangeable(self, i: int) -> None:
+        """A prefill or decode worker that answered after the start (it waited for
+        resources) and whose KV the others cannot exchange takes no request."""
+        if self._info is None or self.roles[i] == "mixed":
+            return  # (during the start, `ready` checks all of them at once)
+        why = check_exchange(self.disagg.kv, self.roles)
+        if why is not None and f"worker-{i} " in why:
+            self.views[i].alive = False
+            self.states[i].report(self.states[i].incarnation, f"failed: {why}", 0.0)
+            log.error("router: %s refused: %s", self.views[i].worker_id, why)
 
     def _unplaced(self, i: int) -> bool:
         """Worker i waits for resources, or was never placed: `ready` need not wait for it."""
@@ -274,6 +312,9 @@ class RouterActor:
         (their indices are new; the ingress picks up the new handles through the changed
         epoch). Returns the workers draining and started."""
         n = max(1, int(num_workers))
+        if any(r != "mixed" for r in self.roles):
+            raise ValueError("a deployment with prefill and decode workers is replaced, not "
+                             "resized in place")
         if autoscaling is not None:
             on = AutoscalingConfig(**autoscaling) if autoscaling else AutoscalingConfig()
             self.scaler.configure(dataclasses.asdict(on))
@@ -298,6 +339,7 @@ class RouterActor:
         for _ in range(max(0, k)):
             i = len(self.handles)
             self.handles.append(self._start_worker(i))
+            self.roles.append("mixed")
             self.views.append(WorkerView(i, f"worker-{i}"))
             self.states.append(WorkerState())
             self.mover.add_worker(i)
@@ -312,6 +354,8 @@ class RouterActor:
         """Change autoscaling settings at run time (operators, benches, tests): min_workers,
         max_workers, delays, thresholds, `enabled`. Returns the settings now in force;
         ValueError names a bad one. The policy applies them at its next poll."""
+        if changes.get("enabled") and any(r != "mixed" for r in self.roles):
+            raise ValueError(MIXED_ONLY)
         return dataclasses.asdict(self.scaler.configure(changes))
 
     def _resize_drained(self, idx: int, task: asyncio.Task) -> None:
@@ -330,12 +374,16 @@ class RouterActor:
     # ---- routing ----------------------------------------------------------------------------
     async def pick(
         self, block_hashes: list[int], session_id: str | None, exclude: list[int],
-        request_id: str = "", lora: str | None = None,
+        request_id: str = "", lora: str | None = None, prompt_tokens: int = 0,
+        max_tokens: int = 0,
     ) -> dict[str, Any]:
         """Choose a worker; {"idx", "worker_id", "slot_id", "reason", ...} or {"error", "message"}.
         `lora`: the LoRA adapter the request names (workers holding it are preferred).
 
-        The request counts against the worker under `slot_id` until `release(idx, slot_id)`."""
+        The request counts against the worker under `slot_id` until `release(idx, slot_id)`.
+        With prefill and decode workers (router/disagg.py) `idx` is where the request starts
+        and `handoff_to` (when set) the decode worker its stream is handed to after its
+        first token, which has reserved room for it."""
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
             self._watch_placement()
@@ -365,7 +413,19 @@ class RouterActor:
                     "message": f"all {len(alive)} workers are at their limit of "
                                f"{self.cfg.max_inflight_per_worker} requests in flight; retry later"}
         sw = self.sessions.get(session_id) if session_id else None
-        d = self.policy.choose(room, RouteRequest(block_hashes, sw, lora))
+        handoff_to: int | None = None
+        pinned: int | None = None
+        if self.disagg.active and not lora:
+            c = await self.disagg.choose(
+                room, self.policy, block_hashes, sw, request_id, prompt_tokens, max_tokens,
+                min(prompt_tokens + max(1, max_tokens), int((self._info or {}).get(
+                    "max_model_len", prompt_tokens + max_tokens))), self.cfg.max_imbalance)
+            d = Decision(c.idx, c.reason, c.matched_blocks)
+            handoff_to, pinned = c.handoff_to, c.session_idx
+        else:  # (a request naming a LoRA adapter is prefilled where it decodes)
+            if self.disagg.active:
+                room = [v for v in room if self.roles[v.idx] == "decode"] or room
+            d = self.policy.choose(room, RouteRequest(block_hashes, sw, lora))
         v = self.views[d.idx]
         if lora is not None:  # it loads the adapter now if it lacks it: held from here on
             v.lora_host.add(lora)
@@ -379,14 +439,20 @@ class RouterActor:
         if session_id:
             if request_id:
                 self.mover.note_request(request_id, session_id)
-            self.mover.session_routed(session_id, sw, d.idx, block_hashes, exclude)
+            home = d.idx if pinned is None else pinned
+            if not self.disagg.active:
+                self.mover.session_routed(session_id, sw, home, block_hashes, exclude)
             self.mover.note_session(session_id, block_hashes)
-            self.sessions[session_id] = d.idx
+            self.sessions[session_id] = home
             self.sessions.move_to_end(session_id)
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        return {"idx": d.idx, "worker_id": v.worker_id, "slot_id": slot_id, "reason": d.reason,
-                "matched_blocks": d.matched_blocks, "epoch": self.epoch}
+        out = {"idx": d.idx, "worker_id": v.worker_id, "slot_id": slot_id, "reason": d.reason,
+               "matched_blocks": d.matched_blocks, "epoch": self.epoch}
+        if handoff_to is not None:
+            out.update(handoff_to=handoff_to,
+                       handoff_worker_id=self.views[handoff_to].worker_id)
+        return out
 
     def _routable(self, exclude: list[int]) -> list[WorkerView]:
         return [v for v in self.views if v.alive and v.idx not in exclude
@@ -518,6 +584,7 @@ class RouterActor:
             self.states[v.idx].answered()
             self._update(v, load)
             self.mover.observe(v.idx, load, sent_at)
+            self.disagg.observe(v.idx, sent_at)
 
         # not those that never answered yet: a call to an actor Ray has not placed would
         # wait in its queue (and pile up there); their first answer makes them alive
@@ -592,6 +659,47 @@ class RouterActor:
             cfg.park_threshold_s = float(park_threshold_s)
         return old
 
+    async def set_roles(self, roles: list[str]) -> list[str]:
+        """Give the workers these roles (mixed, prefill, decode) at run time: operators,
+        benches and tests compare disaggregated and mixed serving on the same workers. The
+        workers keep their engines; their KV must be exchangeable. Returns the old roles."""
+        roles = list(roles)
+        if len(roles) != len(self.views):
+            raise ValueError(f"{len(roles)} roles for {len(self.views)} workers")
+        check_roles(roles)
+        if self.scaler.cfg.enabled and any(r != "mixed" for r in roles):
+            raise ValueError(MIXED_ONLY)
+        live = self._serving()
+        infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live))
+        kv = {i: info["kv"] for i, info in zip(live, infos, strict=True)}
+        why = check_exchange(kv, roles)
+        if why is not None:
+            raise ValueError(why)
+        await asyncio.gather(*(self.handles[i].set_role.remote(roles[i]) for i in live))
+        self.disagg.kv.update(kv)
+        old = list(self.roles)
+        self.roles[:] = roles  # (shared with the mover and the disaggregation, in place)
+        self.sessions.clear()  # pinned to workers whose roles changed
+        if self.disagg.active:
+            self.metrics.disagg.zero()
+        return old
+
+    def handoff_log(self) -> list[dict[str, Any]]:
+        """The latest hand-offs (up to router/disagg.py's HANDOFF_LOG): outcome, prompt
+        tokens, seconds and bytes of each (benches)."""
+        return list(self.disagg.log)
+
+    def set_disagg(self, **settings: Any) -> dict[str, Any]:
+        """Change DisaggConfig settings (min_prompt_tokens, local_prefix_share,
+        failure_policy, lease_s) at run time (benches, tests); returns the old ones."""
+        cfg = self.disagg.cfg
+        unknown = [k for k in settings if not hasattr(cfg, k)]
+        if unknown:
+            raise ValueError(f"no disaggregation setting {unknown[0]!r}")
+        old = {k: getattr(cfg, k) for k in settings}
+        self.disagg.cfg = DisaggConfig(**{**dataclasses.asdict(cfg), **settings})
+        return old
+
     def set_max_inflight_per_worker(self, n: int) -> int:
         """Change the overload limit at run time (operators, tests); returns the old one."""
         old, self.cfg.max_inflight_per_worker = self.cfg.max_inflight_per_worker, max(1, int(n))
@@ -636,10 +744,12 @@ class RouterActor:
                  "state": self._state(v.idx), "load_s": self.states[v.idx].load_s,
                  "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
                  "runtime": v.runtime, "streams": v.streams,
-                 "loras": {"device": sorted(v.lora_device), "host": sorted(v.lora_host)}}
+                 "loras": {"device": sorted(v.lora_device), "host": sorted(v.lora_host)},
+                 "role": self.roles[v.idx]}
                 for v in self.views
             ],
             "loras": self.loras.listing(),
+            "disagg": self.disagg.info(),
         }
 
 

@@ -95,7 +95,9 @@ def _in_actor() -> bool:
 
 
 class WorkerMetrics:
-    def __init__(self, model: str, worker_id: str) -> None:
+    def __init__(self, model: str, worker_id: str, role: str = "mixed") -> None:
+        """`role`: the worker's (mixed, prefill, decode); the time to first token and per
+        output token carry it, so disaggregated serving shows each role's share."""
         if _in_actor():
             from ray.util.metrics import Counter, Gauge, Histogram
         else:
@@ -110,8 +112,12 @@ class WorkerMetrics:
         def gauge(name: str, desc: str) -> Any:
             return Gauge(name, desc, tag_keys=keys).set_default_tags(tags)
 
-        def histogram(name: str, desc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, desc, boundaries=list(buckets), tag_keys=keys).set_default_tags(tags)
+        def histogram(name: str, desc: str, buckets: tuple[float, ...],
+                      extra: tuple[str, ...] = ()) -> Any:
+            return Histogram(name, desc, boundaries=list(buckets),
+                             tag_keys=keys + extra).set_default_tags(tags)
+
+        self.role_tags = {"role": role}
 
         self.received = counter("kvserve_requests_received", "requests that reached this worker")
         self.finished = counter("kvserve_requests_finished",
@@ -119,10 +125,12 @@ class WorkerMetrics:
         self.running = gauge("kvserve_requests_running",
                              "requests in flight on this worker (queued, running or parked)")
         self.ttft = histogram("kvserve_time_to_first_token_seconds",
-                              "arrival at the worker to the first generated token", LATENCY_BUCKETS)
+                              "arrival at the worker to the first generated token, by the "
+                              "worker's role", LATENCY_BUCKETS, ("role",))
         self.tpot = histogram("kvserve_time_per_output_token_seconds",
-                              "mean time between output tokens after the first, per request",
-                              LATENCY_BUCKETS)
+                              "mean time between output tokens after the first, per request "
+                              "(its share on this worker), by the worker's role",
+                              LATENCY_BUCKETS, ("role",))
         self.e2e = histogram("kvserve_e2e_request_latency_seconds",
                              "arrival at the worker to the request's end", E2E_BUCKETS)
         self.queue_wait = histogram("kvserve_queue_wait_seconds",
@@ -166,6 +174,9 @@ class WorkerMetrics:
         """[[age_s, ttft_s], ...] of the first tokens of the last RECENT_TTFT_S seconds."""
         now = time.monotonic()
         return [[now - t, s] for t, s in self.recent_ttft if now - t <= RECENT_TTFT_S]
+
+    def set_role(self, role: str) -> None:
+        self.role_tags = {"role": role}
 
     def request(self) -> RequestTracker:
         """A request arrived: count it and follow it to its end."""
@@ -224,7 +235,7 @@ class RequestTracker:
         if self.first is None and out.usage.completion_tokens > 0:
             self.first = now
             m = self.m
-            m.ttft.observe(now - self.t0)
+            m.ttft.observe(now - self.t0, tags=m.role_tags)
             m.recent_ttft.append((now, now - self.t0))
             if out.queue_s is not None:
                 m.queue_wait.observe(out.queue_s)
@@ -253,6 +264,6 @@ class RequestTracker:
         if self.resumed:  # the tokens made here, from the resume on
             made = self.tokens - (self.base or 0)
             if made > 0:
-                m.tpot.observe((self.last - self.t0) / made)
+                m.tpot.observe((self.last - self.t0) / made, tags=m.role_tags)
         elif self.tokens > 1:
-            m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+            m.tpot.observe((self.last - self.first) / (self.tokens - 1), tags=m.role_tags)

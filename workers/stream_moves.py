@@ -13,12 +13,13 @@ back in this worker's queue, its consumer none the wiser).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import ray
 
 from kvserve.workers.engine.async_engine import AsyncLLMEngine
-from kvserve.workers.engine.live_move import MoveRefused
+from kvserve.workers.engine.live_move import LEASE_S, MoveRefused
 
 
 async def _answer(call: Any) -> Any:
@@ -43,6 +44,7 @@ class StreamMoves:
     # fault injection (tests, drills): seconds an import, or a live move's write, holds its
     # answer with what it brought already in the engine, so a target can die or time out then
     import_delay_s: float = 0.0
+    commit_faults: int = 0  # fault injection: live commits still to fail (`fail_commits`)
 
     @ray.method(num_returns=2)
     async def export_stream(self, request_id: str) -> tuple[dict[str, Any], bytes]:
@@ -68,6 +70,12 @@ class StreamMoves:
     def set_import_delay(self, seconds: float) -> float:
         """Hold each import's answer this long (fault injection); returns the old delay."""
         old, self.import_delay_s = self.import_delay_s, max(0.0, float(seconds))
+        return old
+
+    def fail_commits(self, n: int) -> int:
+        """Fail the next `n` live commits here as a fault would (the reservation dropped);
+        fault injection for tests and drills. Returns the old count."""
+        old, self.commit_faults = self.commit_faults, max(0, int(n))
         return old
 
     async def hand_over(self, request_id: str, target: int) -> bool:
@@ -98,8 +106,12 @@ class StreamMoves:
     async def live_abandon(self, request_id: str) -> bool:
         return await self.engine.live_abandon(request_id)
 
-    async def live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
-        return await _answer(self.engine.live_reserve(info, growth_tokens))
+    async def live_reserve(self, info: dict[str, Any], growth_tokens: int,
+                           lease_s: float = LEASE_S) -> dict[str, Any]:
+        return await _answer(self.engine.live_reserve(info, growth_tokens, lease_s))
+
+    async def live_touch(self, request_id: str) -> bool:
+        return await self.engine.live_touch(request_id)
 
     async def live_write(self, request_id: str, meta: dict[str, Any], data: Any) -> dict[str, Any]:
         written = await _answer(self.engine.live_write(request_id, meta, data))
@@ -108,6 +120,10 @@ class StreamMoves:
         return written if isinstance(written, dict) else {"written": written}
 
     async def live_commit(self, request_id: str, meta: dict[str, Any], data: Any) -> dict[str, Any]:
+        if self.commit_faults > 0:  # fault injection: as a target that failed mid-commit
+            self.commit_faults -= 1
+            await self.engine.live_cancel(request_id)
+            return {"error": "injected fault: the commit failed", "refused": False}
         rid = await _answer(self.engine.live_commit(request_id, meta, data))
         return rid if isinstance(rid, dict) else {"request_id": rid}
 
@@ -117,6 +133,32 @@ class StreamMoves:
     def live_moves(self) -> dict[str, Any]:
         """Live moves under way here: {"out": [request ids], "in": [request ids]}."""
         return self.engine.live_moves()
+
+    # ---- hand-offs after prefill (disaggregated serving; router/handoff.py) ----------------
+    @ray.method(num_returns=2)
+    async def handoff_freeze(self, request_id: str, wait_s: float) -> tuple[dict[str, Any], Any]:
+        """Wait (up to `wait_s`) until hand-off request `request_id` has its first token
+        out and is held, then its final stage: (meta with its state, its blocks), as
+        `live_freeze`. Without a stream to send: ({"finished": True} (its first token ended
+        it) or {"gone": why}, None)."""
+        got = await self.engine.handoff_wait(request_id, wait_s)
+        if not got.get("held"):
+            return got, None
+        frozen = self.engine.take_frozen(request_id)  # read as it was held
+        if frozen is not None:
+            return frozen
+        t0 = time.perf_counter()
+        meta, data = await _answer2(self.engine.live_freeze(request_id))
+        meta["freeze_s"] = time.perf_counter() - t0
+        return meta, data
+
+    async def handoff_fail(self, request_id: str, why: str) -> bool:
+        """End a held hand-off request with an error (the failure policy is `fail`)."""
+        return await self.engine.handoff_fail(request_id, why)
+
+    def handoffs(self) -> dict[str, Any]:
+        """Hand-off requests here: {"prefilling": [ids], "held": [ids]}."""
+        return self.engine.handoffs()
 
     @ray.method(num_returns=2)
     async def export_prefix(self, hashes: list[int]) -> tuple[int, bytes]:

@@ -115,12 +115,15 @@ class TokenBatches:
     async def start(
         self, sub_id: str, request_id: str, prompt: list[int] | str, params: dict[str, Any],
         slot_id: str | None = None, key: str | None = None, lora: str | None = None,
+        handoff: bool = False,
     ) -> bool:
         """Start a request whose chunks go out on subscription `sub_id` under `key` (the
-        ingress's name for this attempt; the request id by default). False when this worker
-        has no such subscription (it restarted since): the ingress subscribes anew."""
+        ingress's name for this attempt; the request id by default). `handoff`: prefill
+        only, then the stream goes to its decode worker. False when this worker has no such
+        subscription (it restarted since): the ingress subscribes anew."""
         return self._drive(sub_id, key or request_id,
-                           self.generate(request_id, prompt, params, slot_id, lora))  # type: ignore[attr-defined]
+                           self.generate(request_id, prompt, params, slot_id, lora,  # type: ignore[attr-defined]
+                                         handoff))
 
     async def start_resume(
         self, sub_id: str, request_id: str, slot_id: str | None = None, key: str | None = None,

@@ -30,9 +30,11 @@ from kvserve.errors import InvalidRequestError, NotFoundError, OutOfKVCacheError
 from kvserve.models import resolve_model, served_name
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
-from kvserve.workers.engine.async_engine import AsyncLLMEngine
+from kvserve.workers.engine.async_engine import AsyncLLMEngine, HandoffFailed
 from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.live_move import LEASE_S
 from kvserve.workers.engine.migration import StreamMoved
+from kvserve.workers.engine.snapshot import model_geometry
 from kvserve.workers.metrics import RequestTracker, WorkerMetrics
 from kvserve.workers.placement import worker_bundle
 from kvserve.workers.stream_moves import StreamMoves
@@ -47,6 +49,9 @@ STREAM_BACKPRESSURE = 1
 METRICS_PERIOD_S = 1.0
 WORKER_PLACEMENT = "SPREAD"  # see worker_options
 PARKED_KEYS = ("parked", "parked_streams", "host_parked_streams", "num_parked")
+# what a worker does (disaggregated serving): prefill prompts and hand the streams over,
+# decode streams handed to it (and prefill short prompts itself), or both (the default)
+ROLES = ("mixed", "prefill", "decode")
 
 
 def _metric_name(key: str) -> str:
@@ -101,13 +106,17 @@ class WorkerActor(StreamMoves, TokenBatches):
     def __init__(
         self, worker_id: str, engine_config: dict[str, Any],
         stream_interval_ms: float | None = None, on_gpu: bool = False, model_name: str = "",
-        reporter: Any = None,
+        reporter: Any = None, role: str = "mixed", handoff_lease_s: float = LEASE_S,
     ) -> None:
         """`reporter` (the router) hears the start-up's progress: `worker_state(worker_id,
         incarnation, state, load_s)` with "downloading <model>: <bytes> of <bytes> ..." (a Hub
         name not in this node's cache yet), "loading", "capturing graphs i/n", then "ready";
         the actor answers no call before it is ready, so this is how it shows meanwhile."""
         self.worker_id = worker_id
+        if role not in ROLES:
+            raise ValueError(f"worker role {role!r} is not one of {', '.join(ROLES)}")
+        self.role = role
+        self.handoff_lease_s = handoff_lease_s  # a prefilled stream waits this long to be sent
         self.pacing = StreamPacing.from_config(stream_interval_ms, on_gpu)
         # changes on every (re)start: lets the router notice that the actor was replaced
         self.incarnation = uuid.uuid4().hex
@@ -131,7 +140,7 @@ class WorkerActor(StreamMoves, TokenBatches):
         self._report("ready", self.load_s)
         self.model_name = model_name or served_name(self.config.model)
         self._devices = self.devices()
-        self.metrics = WorkerMetrics(self.model_name, worker_id)
+        self.metrics = WorkerMetrics(self.model_name, worker_id, role)
         self._requests: dict[str, _Request] = {}
         self._subs: dict[str, Subscription] = {}
         self._gauges: dict[str, Any] = {}
@@ -147,7 +156,10 @@ class WorkerActor(StreamMoves, TokenBatches):
         model = getattr(self, "model_name", "?")
         tp = f", tensor_parallel_size={config.tensor_parallel_size}" \
             if config is not None and config.tensor_parallel_size > 1 else ""
-        return f"WorkerActor({getattr(self, 'worker_id', '?')}, model={model}, device={device}{tp})"
+        role = getattr(self, "role", "mixed")
+        role = f", role={role}" if role != "mixed" else ""
+        return (f"WorkerActor({getattr(self, 'worker_id', '?')}, model={model}, "
+                f"device={device}{tp}{role})")
 
     def devices(self) -> list[str]:
         """Each rank's device, with the GPU Ray gave it ("cuda:1 (GPU 5)")."""
@@ -179,13 +191,15 @@ class WorkerActor(StreamMoves, TokenBatches):
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: dict[str, Any],
-        slot_id: str | None = None, lora: str | None = None,
+        slot_id: str | None = None, lora: str | None = None, handoff: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream chunks {token_ids, text, finish_reason, usage, worker_id} or one {error}.
 
         `slot_id` is the router's name for this request's place in its in-flight count; the
         worker reports the slots it holds on `load`, so the router can drop stale ones.
-        `lora`: the LoRA adapter to generate with (None: the base model)."""
+        `lora`: the LoRA adapter to generate with (None: the base model).
+        `handoff`: prefill only; after its first token the stream waits for the router to
+        hand it to its decode worker (it ends here with {"moved_to": idx})."""
         self._ensure_metrics()
         track = self.metrics.request()
         try:
@@ -200,7 +214,7 @@ class WorkerActor(StreamMoves, TokenBatches):
                    "worker_id": self.worker_id}
             return
         # the engine validates and tokenizes on the first step of this generator (in the pump)
-        outs = self.engine.generate(prompt, sp, request_id, lora)
+        outs = self.engine.generate(prompt, sp, request_id, lora, handoff, self.handoff_lease_s)
         async for chunk in self._chunks(request_id, outs, slot_id, track):
             yield chunk
 
@@ -246,8 +260,9 @@ class WorkerActor(StreamMoves, TokenBatches):
                     return
                 if req.error is not None:
                     bad = isinstance(req.error, InvalidRequestError | OutOfKVCacheError)
-                    kind = "invalid" if bad else "not_found" if isinstance(
-                        req.error, NotFoundError) else "internal"
+                    kind = ("invalid" if bad else "not_found" if isinstance(
+                        req.error, NotFoundError) else "unavailable"
+                        if isinstance(req.error, HandoffFailed) else "internal")
                     track.finish("error")
                     yield {"error": kind, "message": str(req.error), "worker_id": self.worker_id}
                     return
@@ -328,6 +343,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "runtime": self.engine.engine.runner.runtime,
             "ttft_recent": self.metrics.ttft_recent(),
             "loras": self._lora_view(),
+            "role": self.role,
         }
 
     def _lora_view(self) -> dict[str, Any]:
@@ -376,7 +392,21 @@ class WorkerActor(StreamMoves, TokenBatches):
             "load_s": self.load_s,
             "loras": self.engine.list_loras(),
             "lora_enabled": self.engine.engine.adapters is not None,
+            "role": self.role,
+            # what another worker's KV must match to be exchanged with this one's
+            "kv": {"model": model_geometry(eng),
+                   "dtype": str(eng.runner.dtype).removeprefix("torch."),
+                   "block_size": eng.kv.block_size},
         }
+
+    def set_role(self, role: str) -> str:
+        """Change this worker's role (the router's `set_roles`: a run-time re-roling, for
+        operators, benches and tests); returns the old one."""
+        if role not in ROLES:
+            raise ValueError(f"worker role {role!r} is not one of {', '.join(ROLES)}")
+        old, self.role = self.role, role
+        self.metrics.set_role(role)
+        return old
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -476,6 +506,8 @@ def create_worker(
     model_name: str = "",
     reporter: Any = None,
     namespace: str | None = None,
+    role: str = "mixed",
+    handoff_lease_s: float = LEASE_S,
 ) -> Any:
     """Start a worker actor that Ray restarts (fresh engine) whenever it dies. This returns
     at once: Ray starts several workers' processes and model loads side by side. With
@@ -499,7 +531,8 @@ def create_worker(
     if name and namespace:
         opts["namespace"] = namespace
     handle = ray.remote(WorkerActor).options(**opts).remote(
-        worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter)
+        worker_id, engine_config, stream_interval_ms, num_gpus > 0, model_name, reporter, role,
+        handoff_lease_s)
     if group is not None:
         _DEVICE_GROUPS[handle._actor_id.hex()] = group
     return handle

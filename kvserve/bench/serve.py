@@ -11,10 +11,12 @@ runs the whole engine run first, before Ray starts. Without --host and --port, a
 run starts the service itself (one worker, the same engine settings, device and dtype as
 the in-process engine; on a CUDA host each worker gets a GPU share) and stops it at the end.
 --compare-workers runs the requests through one worker and through --workers N workers of
-the self-started service (kvserve.bench.serve_workers). --ramp SECONDS:RATE,... sends the
-requests at a rate that changes by segment (low, burst, low); --compare-autoscaling runs such
-a ramp against fixed pools of --min-workers and --max-workers workers and the autoscaled
-pool between them (kvserve.bench.serve_autoscale).
+the self-started service (kvserve.bench.serve_workers). --prefill-workers P --decode-workers D
+runs them through P prefill and D decode workers and through the same P + D workers as mixed
+workers (kvserve.bench.serve_disagg).
+--ramp SECONDS:RATE,... sends the requests at a rate that changes by segment (low, burst,
+low); --compare-autoscaling runs such a ramp against fixed pools of --min-workers and
+--max-workers workers and the autoscaled pool between them (kvserve.bench.serve_autoscale).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvserve.bench.serve_clients import BenchClient, EngineClient, GrpcClient, H
 from kvserve.bench.serve_dataset import (
     BenchRequest,
     arrival_offsets,
+    long_short_dataset,
     prefix_repetition_dataset,
     random_dataset,
 )
@@ -82,7 +85,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                         "low); the requests are those the segments' arrivals make (instead of "
                         "--num-prompts and --request-rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
+    p.add_argument("--dataset", choices=["random", "prefix-repetition", "long-short"],
+                   default="random",
+                   help="long-short: --random-input-len prompts with a share (--long-share) "
+                        "of --long-input-len ones among them")
     p.add_argument("--random-input-len", type=int, default=128,
                    help="prompt tokens (the suffix length for prefix-repetition)")
     p.add_argument("--random-output-len", type=int, default=32)
@@ -90,6 +96,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: shared prefix tokens")
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    p.add_argument("--long-input-len", type=int, default=1024, help="long-short: long prompts' tokens")
+    p.add_argument("--long-share", type=float, default=0.25,
+                   help="long-short: share of the requests with a long prompt")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000")
     p.add_argument("--percentiles", default="99", help="comma list, e.g. 50,90,99")
@@ -154,6 +163,19 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="the autoscaled pass's (default 2)")
     s.add_argument("--downscale-delay-s", type=float, default=10.0,
                    help="the autoscaled pass's (default 10)")
+    d = p.add_argument_group("disaggregated serving (self-started service)")
+    d.add_argument("--prefill-workers", type=int, default=0,
+                   help="with --decode-workers: the requests through this many prefill and "
+                        "that many decode workers, and through as many mixed workers, in "
+                        "mirrored passes (the router re-roles the same workers)")
+    d.add_argument("--decode-workers", type=int, default=0)
+    d.add_argument("--disagg-rounds", type=int, default=2,
+                   help="rounds of two passes (disaggregated, mixed, mixed, disaggregated...)")
+    d.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
+                   help="the service's disagg_min_prompt_tokens (default: the service's)")
+    d.add_argument("--handoff-sweep", default=None, metavar="N,N,...",
+                   help="after the passes: prompts of these lengths, one at a time, handed "
+                        "off and prefilled locally: the hand-off time and bytes by length")
     p.set_defaults(func=cmd_serve)
 
 
@@ -295,6 +317,9 @@ def build_requests(
     if a.dataset == "random":
         return random_dataset(tok, num, a.random_input_len, output_len,
                               a.random_range_ratio, seed)
+    if a.dataset == "long-short":
+        return long_short_dataset(tok, num, a.random_input_len, a.long_input_len, a.long_share,
+                                  output_len, a.random_range_ratio, seed)
     return prefix_repetition_dataset(tok, num, a.prefix_len, a.num_prefixes, a.random_input_len,
                                      output_len, a.random_range_ratio, seed)
 
@@ -314,6 +339,24 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--migration-rounds must be at least 1, got {a.migration_rounds}"
     if not 0 <= a.skew <= 1:
         return f"--skew must be in [0, 1], got {a.skew}"
+    if a.prefill_workers or a.decode_workers:
+        if not (a.prefill_workers > 0 and a.decode_workers > 0):
+            return "--prefill-workers and --decode-workers go together, each >= 1"
+        if (a.target == "engine" or a.compare_engine or a.compare_migration or a.compare_workers
+                or a.host or a.port or a.workers):
+            return ("--prefill-workers/--decode-workers run a self-started grpc or http "
+                    "service on their own (P + D workers, compared with as many mixed ones)")
+        if a.disagg_rounds < 1:
+            return f"--disagg-rounds must be at least 1, got {a.disagg_rounds}"
+        a.workers = a.prefill_workers + a.decode_workers
+    elif a.handoff_sweep or a.disagg_min_prompt_tokens is not None:
+        return "--handoff-sweep and --disagg-min-prompt-tokens need --prefill-workers/--decode-workers"
+    try:
+        a.handoff_sweep = [int(x) for x in (a.handoff_sweep or "").split(",") if x.strip()]
+    except ValueError:
+        return f"--handoff-sweep takes prompt lengths, e.g. 64,256,1024, got {a.handoff_sweep!r}"
+    if any(n < 1 for n in a.handoff_sweep):
+        return "--handoff-sweep lengths must be >= 1"
     if a.workers is None:
         a.workers = 2 if a.compare_workers else 1
     if a.workers < 1:
@@ -332,6 +375,9 @@ def check_args(a: argparse.Namespace) -> str | None:
         if a.target == "engine" or a.compare_engine or a.compare_migration or \
                 a.compare_workers or a.host or a.port:
             return "--compare-autoscaling runs a self-started grpc or http service on its own"
+        if a.prefill_workers:
+            return ("autoscaling works on mixed workers only; --compare-autoscaling cannot be "
+                    "combined with --prefill-workers/--decode-workers")
         if not a.ramp:
             return "--compare-autoscaling needs a --ramp (e.g. 20:0.5,40:3,40:0.5)"
         if not 1 <= a.min_workers < a.max_workers:
@@ -431,14 +477,22 @@ def _bench(a: argparse.Namespace) -> int:
             from kvserve.bench.serve_service import start_service
 
             workers = 1 if a.compare_workers else a.workers  # resized pass by pass
+            roles: dict[str, Any] = {}
+            if a.prefill_workers:  # re-roled pass by pass
+                workers = 0
+                roles = {"prefill_workers": a.prefill_workers,
+                         "decode_workers": a.decode_workers}
+                if a.disagg_min_prompt_tokens is not None:
+                    roles["disagg_min_prompt_tokens"] = a.disagg_min_prompt_tokens
             service = start_service(service_engine(a, a.placement), a.api_key,
                                     a.stream_interval_ms, workers, pin_sessions=a.skew > 0,
-                                    num_gpus_per_worker=a.placement.gpus_per_worker)
+                                    num_gpus_per_worker=a.placement.gpus_per_worker, **roles)
             host, port = "127.0.0.1", service.port(a.target)
 
     moved: dict[str, Any] | None = None
     scaled: dict[str, Any] | None = None
     autoscaled: dict[str, Any] | None = None
+    split: dict[str, Any] | None = None
     try:
         if a.compare_autoscaling:
             from kvserve.bench.serve_service import start_service
@@ -461,6 +515,20 @@ def _bench(a: argparse.Namespace) -> int:
 
             autoscaled = compare_autoscaling(a, service, lambda: _client(a, host, port),
                                              requests, a.offsets, warmups, run_pass, record)
+        elif a.prefill_workers:
+            from kvserve.bench.serve_disagg import SWEEP_REPEATS, compare_disagg
+
+            start()
+
+            def fresh(i: int) -> list[BenchRequest]:
+                return build_requests(a, tok, a.seed + (i + 1) * SEED_STEP, a.num_prompts,
+                                      a.random_output_len)
+
+            def sweep(n: int, k: int) -> list[BenchRequest]:
+                return random_dataset(tok, SWEEP_REPEATS, n, 8, 0.0, a.seed + 7 * n + 100_003 * k)
+
+            split = compare_disagg(a, service, lambda: _client(a, host, port), fresh, warmups,
+                                   bench_one, record, sweep if a.handoff_sweep else None)
         elif a.compare_workers:
             start()
 
@@ -513,6 +581,9 @@ def _bench(a: argparse.Namespace) -> int:
         report["workers"], report["compare_workers"] = a.workers, scaled
     if autoscaled is not None:
         report["compare_autoscaling"] = autoscaled
+    if split is not None:
+        report["prefill_workers"], report["decode_workers"] = a.prefill_workers, a.decode_workers
+        report["disagg"] = split
     if a.compare_engine:
         c = compare(runs["engine"]["metrics"], runs[a.target]["metrics"])
         report["comparison"] = c
@@ -540,6 +611,8 @@ def workload(a: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, A
     }
     if a.dataset == "prefix-repetition":
         w.update(prefix_len=a.prefix_len, num_prefixes=a.num_prefixes)
+    if a.dataset == "long-short":
+        w.update(long_input_len=a.long_input_len, long_share=a.long_share)
     if math.isinf(a.request_rate):
         w["request_rate"] = "inf"  # JSON has no Infinity
     if a.ramp:

@@ -79,6 +79,28 @@ def random_dataset(
     return reqs
 
 
+def long_short_dataset(
+    tok: Any, num: int, short_len: int, long_len: int, long_share: float, output_len: int,
+    range_ratio: float, seed: int,
+) -> list[BenchRequest]:
+    """Short prompts that decode, and a share `long_share` of long prompts among them (in
+    random order): long prompts arrive while the others decode, the workload disaggregated
+    serving is for."""
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"--long-share must be in [0, 1], got {long_share}")
+    rng = np.random.default_rng(seed)
+    longs = set(rng.choice(num, size=round(long_share * num), replace=False).tolist())
+    ins = sample_lens(num, short_len, range_ratio, rng)
+    big = sample_lens(num, long_len, range_ratio, rng)
+    outs = sample_lens(num, output_len, range_ratio, rng)
+    reqs = []
+    for i in range(num):
+        n_in = big[i] if i in longs else ins[i]
+        text, _ = text_of_len(tok, _random_ids(n_in, tok.vocab_size, rng), n_in, rng)
+        reqs.append(_request(tok, text, outs[i]))
+    return reqs
+
+
 def prefix_repetition_dataset(
     tok: Any,
     num: int,

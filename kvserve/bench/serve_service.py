@@ -132,7 +132,9 @@ def start_service(
                       max_imbalance=1_000_000 if pin_sessions else 4, **serve_settings)
     each = (f"{num_gpus_per_worker:g} GPU" if num_gpus_per_worker
             else f"{engine.num_threads} threads")
-    print(f"bench serve: starting the service ({num_workers} worker(s) on {engine.device}, "
+    workers = (f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+               if cfg.disaggregated else f"{num_workers} worker(s)")
+    print(f"bench serve: starting the service ({workers} on {engine.device}, "
           f"{engine.dtype}, {each} each) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # the workers' logs stay in Ray's log files: the bench prints only its own figures

@@ -304,7 +304,9 @@ def test_cli_rejects_bad_autoscaling_runs(capsys):
                      (["--compare-autoscaling", "--ramp", "5:1", "--min-workers", "2",
                        "--max-workers", "2"], "compares --min-workers >= 1 with a larger"),
                      (["--compare-autoscaling", "--ramp", "5:1", "--port", "9"],
-                      "runs a self-started grpc or http service on its own")):
+                      "runs a self-started grpc or http service on its own"),
+                     (["--compare-autoscaling", "--ramp", "5:1", "--prefill-workers", "1",
+                       "--decode-workers", "1"], "autoscaling works on mixed workers only; ")):
         assert _bench_cli(bad) == 2
         assert why in capsys.readouterr().err
 
@@ -467,3 +469,80 @@ def test_interleaved_rounds_alternate_with_the_engine_paused(tok, smol_llm, serv
     timed = [name for name, _, n in log if n == 24]
     # slices of 2, 1, 2 requests; the engine goes first in rounds 1 and 3, the target in 2
     assert timed == ["engine"] * 2 + ["grpc"] * 2 + ["grpc", "engine"] + ["engine"] * 2 + ["grpc"] * 2
+
+
+# ---- disaggregated serving (kvserve.bench.serve_disagg) --------------------------------------
+def test_long_short_prompts_mix_long_ones_among_short_ones(tok):
+    from kvserve.bench.serve_dataset import long_short_dataset
+
+    reqs = long_short_dataset(tok, 8, short_len=16, long_len=96, long_share=0.25,
+                              output_len=4, range_ratio=0.0, seed=2)
+    assert sorted(r.prompt_len for r in reqs) == [16] * 6 + [96] * 2
+    assert long_short_dataset(tok, 8, 16, 96, 0.25, 4, 0.0, seed=2) == reqs
+    with pytest.raises(ValueError, match="--long-share"):
+        long_short_dataset(tok, 4, 16, 96, 1.5, 4, 0.0, seed=2)
+
+
+def test_disagg_summary_and_handoffs_by_prompt_length():
+    from kvserve.bench.serve_disagg import by_length, format_summary, summarize
+
+    def res(ttft: float, itl: list[float]) -> RequestResult:
+        return RequestResult(success=True, prompt_len=8, output_len=len(itl) + 1, ttft=ttft,
+                             itl=itl, latency=ttft + sum(itl))
+
+    passes = [{"mode": "disaggregated", "results": [res(0.2, [0.01, 0.01])],
+               "output_throughput": 10.0, "handoffs": 1, "local": 0},
+              {"mode": "mixed", "results": [res(0.1, [0.05, 0.03]), RequestResult()],
+               "output_throughput": 8.0, "handoffs": 0, "local": 0}]
+    s = summarize(passes)
+    assert s["disaggregated"]["ttft_p50_ms"] == pytest.approx(200)
+    assert s["disaggregated"]["itl_p99_ms"] == pytest.approx(10)
+    assert s["mixed"]["itl_p50_ms"] == pytest.approx(40) and s["mixed"]["failed"] == 1
+    log = [{"outcome": "moved", "prompt_tokens": 300, "seconds": 0.004, "bytes": 1 << 20},
+           {"outcome": "moved", "prompt_tokens": 310, "seconds": 0.006, "bytes": 1 << 20},
+           {"outcome": "moved", "prompt_tokens": 2000, "seconds": 0.02, "bytes": 8 << 20},
+           {"outcome": "recomputed", "prompt_tokens": 300, "seconds": 0.0, "bytes": 0}]
+    rows = by_length(log)
+    assert [(r["prompt_tokens"], r["handoffs"]) for r in rows] == [("256-511", 2),
+                                                                    ("1024-2047", 1)]
+    assert rows[0]["ms_p50"] == pytest.approx(5)
+    text = format_summary(s, rows)
+    assert "disaggregated" in text and "256-511" in text and "1.00MiB" in text
+
+
+def test_disagg_bench_arguments_are_checked(capsys):
+    for bad, why in ((["--prefill-workers", "1"], "go together"),
+                     (["--prefill-workers", "1", "--decode-workers", "1", "--port", "9000"],
+                      "self-started"),
+                     (["--prefill-workers", "1", "--decode-workers", "1", "--workers", "2"],
+                      "self-started"),
+                     (["--handoff-sweep", "64"], "need --prefill-workers"),
+                     (["--prefill-workers", "1", "--decode-workers", "1", "--handoff-sweep",
+                       "64,x"], "--handoff-sweep takes prompt lengths")):
+        assert _bench_cli(bad) == 2
+        assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_disagg_bench_compares_roles_on_its_own_service(tmp_path):
+    """--prefill-workers 1 --decode-workers 1 on CPU, tiny: a disaggregated pass and a mixed
+    pass of the same two workers, then a hand-off sweep, in a service of its own."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "disagg.json"
+    r = subprocess.run([
+        sys.executable, "-m", "kvserve.cli", "bench", "serve", "--prefill-workers", "1",
+        "--decode-workers", "1", "--dataset", "long-short", "--random-input-len", "16",
+        "--long-input-len", "300", "--long-share", "0.5", "--random-output-len", "8",
+        "--num-prompts", "4", "--max-concurrency", "4", "--num-warmups", "0",
+        "--disagg-rounds", "1", "--stream-interval-ms", "0", "--handoff-sweep", "64,300",
+        "--no-progress", "--save-result", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())["disagg"]
+    assert d["order"] == ["disaggregated", "mixed"]
+    s = d["summary"]
+    assert s["disaggregated"]["handoffs"] == 2 and s["disaggregated"]["local_prefills"] == 2
+    assert s["mixed"]["handoffs"] == 0 and s["mixed"]["failed"] == 0
+    assert [row["prompt_tokens"] for row in d["sweep"]] == [64, 300]
+    assert all(row["handoffs"] == 3 and row["handoff_bytes"] > 0 for row in d["sweep"])

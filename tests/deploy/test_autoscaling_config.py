@@ -143,3 +143,36 @@ def test_a_fixed_pool_shows_its_autoscaling_block(serve_app):
         block = json.loads(r.read())["autoscaling"]
     assert block["enabled"] is False and block["serving_workers"] == 2
     assert block["min_workers"] == block["max_workers"] == 2  # a fixed pool's bounds: its size
+
+
+MIXED_ONLY = "autoscaling works on mixed workers only; "
+
+
+@pytest.mark.parametrize("flags", [
+    ["--prefill-workers", "1", "--decode-workers", "1", "--max-workers", "3"],
+    ["--prefill-workers", "2", "--decode-workers", "1", "--min-workers", "0",
+     "--max-workers", "2", "--upscale-delay-s", "5"],
+    ["--prefill-workers", "1", "--decode-workers", "1", "--workers", "0", "--min-workers", "1"],
+])
+def test_autoscaling_with_worker_roles_is_refused_before_anything_starts(flags, capsys):
+    with pytest.raises(ConfigError) as e:
+        _cfg(*flags)
+    assert str(e.value).startswith(MIXED_ONLY)
+    assert "--prefill-workers" in str(e.value) and "--max-workers" in str(e.value)
+    # the command: status 2 and that one line, before Ray or the model (neither is started)
+    assert main(["serve", "--gpus-per-worker", "0", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and MIXED_ONLY in lines[0], lines
+
+
+def test_autoscaling_with_worker_roles_is_refused_in_serve_config():
+    for roles in ({"prefill_workers": 1, "decode_workers": 1},
+                  {"prefill_workers": 1, "decode_workers": 2, "num_workers": 0}):
+        with pytest.raises(ValidationError) as e:
+            ServeConfig(**roles, autoscaling={"min_workers": 1, "max_workers": 3})
+        assert [err["msg"].removeprefix("Value error, ") for err in e.value.errors()] == [
+            e.value.errors()[0]["msg"].removeprefix("Value error, ")]
+        assert MIXED_ONLY in str(e.value)
+    # each alone is as before
+    assert ServeConfig(prefill_workers=1, decode_workers=1).autoscaling is None
+    assert ServeConfig(autoscaling={"max_workers": 3}).roles() == []

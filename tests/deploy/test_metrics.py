@@ -50,14 +50,20 @@ MOVE_HISTOGRAMS = ["stream_move_stall_seconds", "stream_move_rounds"]  # the rou
 AUTOSCALER_GAUGES = ["autoscaler_desired_workers", "autoscaler_workers",
                      "autoscaler_queued_requests", "autoscaler_cold_start_seconds",
                      "autoscaler_pressure_to_serving_seconds"]  # the router's, on or off
+DISAGG_COUNTERS = ["disagg_handoffs", "disagg_local_prefills"]  # the router's
+DISAGG_HISTOGRAMS = ["disagg_handoff_seconds", "disagg_handoff_bytes"]
 EXPORTED = sorted(
     [f"{P}{n}_total" for n in [*WORKER_COUNTERS, "requests_rejected", "router_decisions",
                                "router_retries", "stream_moves", "autoscaler_decisions",
-                               *MIGRATION_COUNTERS]]
+                               *MIGRATION_COUNTERS, *DISAGG_COUNTERS]]
     + [f"{P}{n}" for n in [*WORKER_GAUGES, "router_workers_alive", "worker_draining",
                            *AUTOSCALER_GAUGES]]
-    + [f"{P}{n}_{s}" for n in WORKER_HISTOGRAMS for s in ("bucket", "sum", "count")]
+    + [f"{P}{n}_{s}" for n in [*WORKER_HISTOGRAMS, *DISAGG_HISTOGRAMS]
+       for s in ("bucket", "sum", "count")]
 )
+# a prompt longer than the default disagg_min_prompt_tokens: handed off while the app's
+# workers are re-roled as a prefill and a decode worker
+HANDOFF_PROMPT = 300
 
 # The burst: 5 requests per worker whose prompts (42 blocks of 16) fit the 256-block device
 # pool together but whose answers (55 blocks each) do not: the engines evict and restore.
@@ -243,11 +249,23 @@ def _drive(app, stub, run: Run) -> dict[str, int]:
                              c.usage.completion_tokens) for c in moved if c.finish_reason))
     # a cancel Serve dropped: that request ends as `length` on its worker
     lost = run.dropped_cancels = app.cancels_serve_dropped()
+    # a long prompt prefilled on worker-0 and decoded on worker-1 (disaggregated serving)
+    old = ray.get(app.router.set_roles.remote(["prefill", "decode"]))
+    try:
+        r = stub.Generate(pb.GenerateRequest(
+            prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(HANDOFF_PROMPT)],
+            sampling=_sampling(8)), metadata=_md(app), timeout=300)
+    finally:
+        ray.get(app.router.set_roles.remote(old))
+    assert (r.prefill_worker_id, r.worker_id) == ("worker-0", "worker-1")
+    run.usages.append((r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.completion_tokens))
 
-    # burst, repeat + session, cancelled streams, clash, the moved stream
-    received = BURST + 3 + 3 + 1 + 1
-    return {"length": BURST + 3 + 1 + lost, "abort": 3 - lost, "error": 1, "received": received,
-            "picks": received,  # each request that reached a worker was routed once
+    # burst, repeat + session, cancelled streams, clash, the moved stream, the handed-off one
+    received = BURST + 3 + 3 + 1 + 1 + 1
+    return {"length": BURST + 3 + 1 + 1 + lost, "abort": 3 - lost, "error": 1,
+            "received": received,
+            "picks": received - 1,  # each request that reached a worker was routed once (the
+            # handed-off one as "disaggregated", not by the policy)
             "invalid": 3, "auth": 2, "overload": 1}
 
 
@@ -293,7 +311,7 @@ def test_every_metric_is_exported_with_its_tags(run):
         keys = {k for k, _ in labels}
         if n.startswith(P + "router_"):
             assert "policy" in keys, n
-        elif n.startswith((P + "stream_move", P + "autoscaler_")):
+        elif n.startswith((P + "stream_move", P + "autoscaler_", P + "disagg_")):
             assert "policy" in keys, n
         elif n.startswith((P + "migration_", P + "worker_draining")):
             assert {"policy", "worker"} <= keys, n
@@ -430,6 +448,27 @@ def test_migration_metrics(run):
     assert len(run.now(f"{P}migration_failures_total")) == 2
     assert run.total(f"{P}migration_failures_total") == 0
     assert sorted(run.now(f"{P}worker_draining", policy="affinity")) == [0.0, 0.0]
+
+
+def test_disagg_metrics(run):
+    """The handed-off request: one hand-off moved (its time and bytes observed), every
+    outcome and local-prefill reason exported from the start; its first token's time counted
+    on the prefill worker, its time per token on the decode worker."""
+    assert run.total(f"{P}disagg_handoffs_total", outcome="moved") == 1
+    assert run.total(f"{P}disagg_handoffs_total") == 1
+    assert len({lab for n, lab in run.after if n == f"{P}disagg_handoffs_total"}) == 6
+    assert len({lab for n, lab in run.after if n == f"{P}disagg_local_prefills_total"}) == 5
+    assert run.total(f"{P}disagg_handoff_seconds_count") == 1
+    assert run.total(f"{P}disagg_handoff_seconds_sum") > 0
+    assert run.total(f"{P}disagg_handoff_bytes_count") == 1
+    assert run.total(f"{P}disagg_handoff_bytes_sum") > 0
+    assert run.total(f"{P}router_decisions_total", kind="disaggregated") == 1
+    assert run.total(f"{P}time_to_first_token_seconds_count", role="prefill",
+                     worker="worker-0") == 1
+    assert run.total(f"{P}time_per_output_token_seconds_count", role="decode",
+                     worker="worker-1") == 1
+    assert run.total(f"{P}time_to_first_token_seconds_count", role="mixed") == \
+        run.total(f"{P}time_to_first_token_seconds_count") - 1
 
 
 def _dashboard_metric_names() -> Callable:

@@ -14,6 +14,7 @@ from kvserve.deploy.placement import (
     Node,
     autoscaler_can_add_nodes,
     demand_of,
+    demands_of,
     fit_count,
     held_at_once,
     unplaceable,
@@ -58,6 +59,29 @@ def test_gpu_workers_share_gpus_or_run_on_cpu():
     why = unplaceable(Demand(1, {"CPU": 1, "GPU": 1}), [CPU2])  # a CPU-only cluster
     assert why.startswith("no node can hold one worker, which needs {CPU: 1, GPU: 1}")
     assert "--gpus-per-worker 0 (CPU workers: no node has a GPU)" in why
+
+
+def test_prefill_and_decode_workers_are_checked_per_role_and_together():
+    gpu4 = [Node("g", {"CPU": 16, "GPU": 4})]
+    same = ServeConfig(prefill_workers=2, decode_workers=3, num_gpus_per_worker=1)
+    demands = demands_of(same)
+    assert [(d.role, d.num_workers) for d in demands] == [("prefill", 2), ("decode", 3),
+                                                          ("both", 5)]
+    assert [unplaceable(d, gpu4) is None for d in demands] == [True, True, False]
+    why = unplaceable(demands[2], gpu4)
+    assert why.startswith("5 prefill and decode workers need {CPU: 1, GPU: 1} each")
+    assert "fewer --prefill-workers and --decode-workers (4 in all)" in why
+    # a prefill worker over 2 GPUs (tensor-parallel 2) beside decode workers of 1
+    tp = ServeConfig(prefill_workers=1, decode_workers=1, prefill_tensor_parallel_size=4,
+                     prefill_gpus_per_worker=4, num_gpus_per_worker=1)
+    pre, dec = demands_of(tp)
+    assert (pre.bundle, pre.tensor_parallel_size) == ({"CPU": 1.0, "GPU": 4.0}, 4)
+    assert dec.bundle == {"CPU": 1.0, "GPU": 1.0}
+    nodes = [Node("a", {"CPU": 8, "GPU": 2}), Node("b", {"CPU": 8, "GPU": 2})]
+    why = unplaceable(pre, nodes)
+    assert why.startswith("no node can hold one prefill worker, which needs {CPU: 1, GPU: 4}")
+    assert "a smaller --prefill-tensor-parallel-size" in why
+    assert unplaceable(dec, nodes) is None
 
 
 def test_custom_resources_are_compared_like_cpus_and_gpus():

@@ -74,8 +74,17 @@ WORKER_AUTOSCALING = {
     "workerGroup": {"gpus": 2, "replicas": 1, "minReplicas": 0, "maxReplicas": 2},
     "autoscaling": {"enabled": True, "idleTimeoutSeconds": 120},
 }
+DISAGGREGATED = {
+    "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
+    "serve": {"numWorkers": 0, "numCpusPerWorker": 4, "engine": {"dtype": "bfloat16"},
+              "prefill": {"workers": 1, "gpusPerWorker": 2, "tensorParallelSize": 2},
+              "decode": {"workers": 2, "gpusPerWorker": 1},
+              "disagg": {"minPromptTokens": 512, "failurePolicy": "fail"}},
+    "workerGroup": {"gpus": 4, "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+}
 CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "disaggregated": DISAGGREGATED,
     "gpu-autoscaling": GPU_AUTOSCALING,
     "worker-autoscaling": WORKER_AUTOSCALING,
     "tensor-parallel": TENSOR_PARALLEL,
@@ -272,6 +281,13 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
     elif name == "tensor-parallel":
         assert sc.tensor_parallel_size == 4 and sc.num_gpus_per_worker == 4
         assert sc.engine_config().tensor_parallel_size == 4
+    elif name == "disaggregated":
+        assert (sc.num_workers, sc.prefill_workers, sc.decode_workers) == (0, 1, 2)
+        rc = sc.router_config()
+        assert rc.roles == ["prefill", "decode", "decode"]
+        assert [rc.gpus_of(i) for i in range(3)] == [2, 1, 1]
+        assert rc.engine_of(0, {})["tensor_parallel_size"] == 2
+        assert rc.disagg["min_prompt_tokens"] == 512 and rc.disagg["failure_policy"] == "fail"
     elif name == "model-pvc":
         assert sc.model == "/models/llama/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
     elif name == "model-hostpath":
@@ -554,6 +570,9 @@ def test_notes_name_the_services():
     ({"model": {"cache": {"sizeLimit": "lots"}}}, "at '/model/cache/sizeLimit'"),
     ({"serve": {"autoscaling": {"minWorkers": -1}}}, "at '/serve/autoscaling/minWorkers'"),
     ({"serve": {"autoscaling": {"maxWorker": 2}}}, "additional properties 'maxWorker' not allowed"),
+    ({"serve": {"disagg": {"failurePolicy": "retry"}}}, "at '/serve/disagg/failurePolicy'"),
+    ({"serve": {"prefill": {"tensorParallelSize": 0}}}, "at '/serve/prefill/tensorParallelSize'"),
+    ({"serve": {"decode": {"replicas": 2}}}, "additional properties 'replicas' not allowed"),
     ({"serve": {"lora": {"adapters": [{"name": "a"}]}}}, "missing property 'path'"),
     ({"serve": {"lora": {"adapters": [{"name": "a:b", "path": "/x"}]}}},
      "'a:b' does not match pattern"),
@@ -613,6 +632,29 @@ def test_schema_rejects(values, message):
     (WORKER_AUTOSCALING | {"autoscaling": {"enabled": False}},
      "serve.autoscaling.maxWorkers 4 needs 2 worker pods (2 per pod: workerGroup.gpus / "
      "serve.numGpusPerWorker), and workerGroup.replicas starts 1: turn on autoscaling.enabled"),
+    ({"serve": {"numWorkers": 0}}, "serve.numWorkers must be at least 1"),
+    ({"serve": {"numWorkers": 0, "prefill": {"workers": 1}}},
+     "serve.prefill.workers and serve.decode.workers go together"),
+    ({"serve": {"prefill": {"workers": 1}, "decode": {"workers": 1}}},
+     "replace the mixed workers: set serve.numWorkers to 0"),
+    ({"serve": {"decode": {"tensorParallelSize": 2}}},
+     "serve.decode.gpusPerWorker and serve.decode.tensorParallelSize need serve.prefill.workers"),
+    ({"serve": {**DISAGGREGATED["serve"], "prefill": {"workers": 1, "gpusPerWorker": 1,
+                                                      "tensorParallelSize": 2}},
+      "workerGroup": {"gpus": 4}},
+     "a prefill worker with tensor-parallel size 2 runs one rank per GPU: "
+     "serve.prefill.gpusPerWorker must be 2, not 1"),
+    ({"serve": {**DISAGGREGATED["serve"], "decode": {"workers": 3, "gpusPerWorker": 1}},
+      "workerGroup": {"gpus": 4, "maxReplicas": 1}},
+     "the prefill and decode workers need 5 GPUs, but the worker group has at most"),
+    ({"serve": {"numWorkers": 0, "prefill": {"workers": 1, "gpusPerWorker": 1},
+                "decode": {"workers": 1}}, "workerGroup": {"gpus": 1}},
+     "cannot exchange KV: give both roles GPUs, or set serve.engine.dtype"),
+    # autoscaling and worker roles are not combined: one clear refusal
+    ({"serve": {**DISAGGREGATED["serve"], "autoscaling": {"enabled": True, "maxWorkers": 3}},
+      "workerGroup": {"gpus": 4}},
+     "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined "
+     "with serve.prefill.workers and serve.decode.workers"),
 ])
 def test_inconsistent_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):

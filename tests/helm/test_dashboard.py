@@ -42,7 +42,9 @@ ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retr
                   "ray_kvserve_autoscaler_workers", "ray_kvserve_autoscaler_decisions_total",
                   "ray_kvserve_autoscaler_cold_start_seconds",
                   "ray_kvserve_autoscaler_pressure_to_serving_seconds",
-                  "ray_kvserve_autoscaler_queued_requests"}
+                  "ray_kvserve_autoscaler_queued_requests", "ray_kvserve_disagg_handoffs_total",
+                  "ray_kvserve_disagg_handoff_seconds", "ray_kvserve_disagg_handoff_bytes",
+                  "ray_kvserve_disagg_local_prefills_total"}
 EXPORTED = WORKER_METRICS | INGRESS_METRICS | ROUTER_METRICS
 
 
@@ -60,7 +62,7 @@ def test_dashboard_structure():
     assert {"model", "worker"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "KV cache", "Router", "Autoscaling", "Migration",
-                    "Per-worker load"]
+                    "Disaggregated serving", "Per-worker load"]
     exprs = []
     for panel in dash["panels"]:
         if panel["type"] == "row":
@@ -80,6 +82,9 @@ def test_dashboard_structure():
                 assert f"rate({n}" in e or f"increase({n}" in e, (n, e)
     worker_exprs = [e for e in exprs if any(m in e for m in WORKER_METRICS)]
     assert all('worker=~"$worker"' in e and 'model=~"$model"' in e for e in worker_exprs)
+    # the latencies by the workers' role (disaggregated serving: prefill and decode)
+    for m in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+        assert any(f"ray_kvserve_{m}_bucket" in e and "by (le, role)" in e for e in quantiles), m
 
 
 def test_dashboard_metric_names_parser(tmp_path):

@@ -11,6 +11,12 @@ out (its consumer waits, in transit), then `hand_over` tells that consumer where
 (StreamMoved) or `import_stream` of the same snapshot puts it back. An imported stream's
 outputs wait for a consumer (`resume`); one nobody claims within CLAIM_TIMEOUT_S is aborted.
 
+A hand-off request (disaggregated serving: prefilled here, decoded on another worker) is
+held once its first token is out: it leaves the batch with its blocks kept, as in a live
+move's final stage, and `handoff_wait` answers; the router then sends it with `live_freeze`
+and the target's `live_commit`, and `live_finish` frees it here. A held stream nobody sends
+within its lease fails and its blocks are freed.
+
 `pause` holds the step loop between steps (requests, aborts, moves and stats are still taken;
 nothing advances) until `unpause`; `step` runs one step meanwhile. Fault drills and tests use
 it to hold a state (streams parked, a stream mid-generation) for as long as they need it.
@@ -25,7 +31,9 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
@@ -40,6 +48,24 @@ from kvserve.workers.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_S = 60.0  # an imported stream nobody resumes by then is aborted
+HANDOFF_ENDED_KEPT = 4096  # hand-off requests whose end a late `handoff_wait` still learns
+
+
+class HandoffFailed(RuntimeError):
+    """A prefilled stream could not be handed to its decode worker (the failure policy said
+    to fail the request rather than recompute it there, or nobody came to send it)."""
+
+
+@dataclass
+class _Handoff:
+    """A stream prefilled here for another worker."""
+
+    lease_s: float = LEASE_S  # how long it may stay held, unsent
+    held_at: float = 0.0  # when its first token was out and it left the batch (0: not yet)
+    # its final stage (meta, blocks), read as it was held: the router's freeze takes it
+    # without waiting for the step then under way (on a prefill worker, often the next
+    # prompt's prefill)
+    frozen: tuple[dict[str, Any], Any] | None = None
 
 
 class _Stream:
@@ -54,6 +80,16 @@ class _Stream:
             return True
         except RuntimeError:  # the consumer's loop is closed
             return False
+
+
+def _log_failed_release(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("releasing a handed-off stream failed: %s", fut.exception())
+
+
+def _settle(fut: asyncio.Future, answer: Any) -> None:
+    if not fut.done():
+        fut.set_result(answer)
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
@@ -81,9 +117,17 @@ class AsyncLLMEngine:
         self._moving: dict[str, _Stream] = {}  # exported, consumer waiting for the verdict
         self._unclaimed: dict[str, _Stream] = {}  # imported, no consumer yet
         self.moves = MoveCounters()
+        # hand-offs after prefill: sent out (out), taken in (in), failed here, leases expired
+        self.handoff_counts = {"out": 0, "in": 0, "failed": 0, "leases_expired": 0}
         self._parked = ParkedTracker()
         self._live_out: dict[str, Source] = {}  # live moves out of this engine
         self._live_in: dict[str, Target] = {}  # live moves into it (reservations)
+        self._handoffs: dict[str, _Handoff] = {}  # prefilled here for another worker
+        # answers owed to `handoff_wait` callers, by request id (the request may not be here yet)
+        self._handoff_waits: dict[str, list[asyncio.Future]] = {}
+        # how the latest hand-off requests ended without a hand-off (finished at their first
+        # token, aborted, refused): a wait that comes after that learns it at once
+        self._handoff_ended: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # every stream's state, tokens and blocks, rebuilt after a step once asked for
         self._view: list[dict[str, Any]] = []
         self._want_view = True
@@ -98,11 +142,16 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora: str | None = None,
+        handoff: bool = False,
+        lease_s: float = LEASE_S,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs (new tokens, text delta) until the request finishes.
         `lora`: a loaded LoRA adapter's name (None: the base model).
 
-        Bad input raises InvalidRequestError here (an unknown adapter NotFoundError), before
+        `handoff`: prefill only; after the first token the stream is held for a hand-off to
+        another worker (its consumer then ends with StreamMoved, or HandoffFailed when no
+        hand-off came within `lease_s`). Bad input raises InvalidRequestError here (an
+        unknown adapter NotFoundError), before
         anything is queued.
         """
         rid = request_id or uuid.uuid4().hex
@@ -115,6 +164,9 @@ class AsyncLLMEngine:
                                           adapter)
         else:
             seq = self.engine.make_sequence(prompt, params, rid, 0, adapter)
+        if handoff:
+            seq.handoff = True
+            seq.handoff_lease_s = lease_s  # type: ignore[attr-defined]
         stream = _Stream(asyncio.get_running_loop())
         self._adds.put((seq, stream))
         self._wake.set()
@@ -192,23 +244,43 @@ class AsyncLLMEngine:
 
     async def live_finish(self, request_id: str, target: int) -> bool:
         """The target committed: free the stream here; its consumer continues on `target`.
-        False when the consumer left meanwhile (the target's copy must then be aborted)."""
+        False when the consumer left meanwhile (the target's copy must then be aborted).
+
+        A hand-off's consumer is told at once (the stream is held: no step of this engine
+        touches it) and its blocks are freed between steps, so the client's next token
+        does not wait for the step under way here."""
+        if request_id in self._handoffs:
+            told = self._hand_over(request_id, target)  # (a pop: an abort's pop excludes it)
+            freed = self._call(lambda: self._live_finish(request_id, target))
+            freed.add_done_callback(_log_failed_release)
+            return told
         return await self._call(lambda: self._live_finish(request_id, target))
+
+    def take_frozen(self, request_id: str) -> tuple[dict[str, Any], Any] | None:
+        """A held hand-off request's final stage, read as it was held (once); None when
+        there is none (it was not read, or taken already)."""
+        h = self._handoffs.get(request_id)
+        if h is None or h.frozen is None:
+            return None
+        out, h.frozen = h.frozen, None
+        return out
 
     async def live_abandon(self, request_id: str) -> bool:
         """The move failed: the stream goes on here (thawed if it was frozen)."""
         return await self._call(lambda: self._live_abandon(request_id))
 
-    async def live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
-        """Reserve room for a stream on its way in (MoveRefused when there is none). Its LoRA
-        adapter, if this engine lacks it or dropped it from host memory, is read first on a
-        thread of its own, not on the step thread."""
+    async def live_reserve(self, info: dict[str, Any], growth_tokens: int,
+                           lease_s: float = LEASE_S) -> dict[str, Any]:
+        """Reserve room for a stream on its way in (MoveRefused when there is none); freed
+        here if nobody touches it for `lease_s`. Its LoRA adapter, if this engine lacks it
+        or dropped it from host memory, is read first on a thread of its own, not on the
+        step thread."""
         if info.get("lora"):
             try:
                 await asyncio.to_thread(self._prepare_lora, info["lora"])
             except Exception as e:
                 raise MoveRefused(f"the stream's LoRA adapter {info['lora']['name']!r}: {e}") from e
-        return await self._call(lambda: self._live_reserve(info, growth_tokens))
+        return await self._call(lambda: self._live_reserve(info, growth_tokens, lease_s))
 
     def _prepare_lora(self, record: dict[str, Any]) -> None:
         """A moving stream's adapter here and in host memory (any thread)."""
@@ -236,6 +308,37 @@ class AsyncLLMEngine:
 
     def live_moves(self) -> dict[str, Any]:
         return {"out": sorted(self._live_out), "in": sorted(self._live_in)}
+
+    async def live_touch(self, request_id: str) -> bool:
+        """Renew a reservation's lease (its stream is still being prefilled elsewhere)."""
+        return await self._call(lambda: self._live_touch(request_id))
+
+    # ---- hand-offs after prefill (disaggregated serving) -----------------------------------
+    async def handoff_wait(self, request_id: str, timeout_s: float) -> dict[str, Any]:
+        """Wait until hand-off request `request_id` is held after its first token
+        ({"held": True, "tokens": prompt tokens computed}), or ended without needing a
+        hand-off ({"finished": True}: its first token ended it), or is gone ({"gone": why}:
+        aborted, refused, failed; or it never came within `timeout_s`)."""
+        loop = asyncio.get_running_loop()
+        fut = await self._call(lambda: self._handoff_wait(request_id, loop))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            return {"gone": f"request {request_id!r} was not held for its hand-off within "
+                            f"{timeout_s:g} s"}
+        finally:
+            if not fut.done():
+                await self._call(lambda: self._forget_wait(request_id, fut))
+
+    async def handoff_fail(self, request_id: str, why: str) -> bool:
+        """End a held hand-off request with HandoffFailed(why), its blocks freed; False when
+        it is not held here (finished, aborted or sent meanwhile)."""
+        return await self._call(lambda: self._handoff_fail(request_id, why))
+
+    def handoffs(self) -> dict[str, Any]:
+        """Hand-off requests here: prefilling and held (request ids)."""
+        return {"prefilling": sorted(r for r, h in self._handoffs.items() if not h.held_at),
+                "held": sorted(r for r, h in self._handoffs.items() if h.held_at)}
 
     async def export_prefix(self, hashes: list[int]) -> bytes:
         """The leading blocks of `hashes` this engine's host tier caches (prefix_snapshot)."""
@@ -270,7 +373,8 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of the last step (read without stopping the loop)."""
-        return {**self._stats, **self.moves.as_stats()}
+        return {**self._stats, **self.moves.as_stats(),
+                **{f"handoffs_{k}": v for k, v in self.handoff_counts.items()}}
 
     # ---- holding the step loop ---------------------------------------------------------------
     async def pause(self) -> None:
@@ -365,6 +469,8 @@ class AsyncLLMEngine:
                     if not out.finished:
                         self.engine.abort(out.request_id)
                         self._streams.pop(out.request_id, None)
+        if self._handoffs:  # after the first token went out: held for their hand-off
+            self._hold_handoffs(outs)
 
     def _refresh(self) -> None:
         self._stats = self.engine.stats()
@@ -406,8 +512,14 @@ class AsyncLLMEngine:
                 eng.add_sequence(seq)
             except Exception as e:
                 st.put(e)
+                if seq.handoff:
+                    self._resolve_waits(seq.request_id, {"gone": str(e)})
                 continue
             self._streams[seq.request_id] = st
+            if seq.handoff:
+                self._handoff_ended.pop(seq.request_id, None)
+                self._handoffs[seq.request_id] = _Handoff(
+                    getattr(seq, "handoff_lease_s", LEASE_S))
         # after the adds: a request cancelled right after it was queued is dropped here
         while True:
             try:
@@ -419,6 +531,8 @@ class AsyncLLMEngine:
             self._moving.pop(rid, None)
             self._unclaimed.pop(rid, None)
             self._live_out.pop(rid, None)
+            if self._handoffs.pop(rid, None) is not None:
+                self._resolve_waits(rid, {"gone": f"request {rid!r} was aborted"})
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
@@ -430,11 +544,17 @@ class AsyncLLMEngine:
                 fut.set_exception(e)
         now = time.monotonic()
         for rid, tgt in list(self._live_in.items()):
-            if now - tgt.touched > LEASE_S:  # its mover is gone: nothing stays stranded
+            if now - tgt.touched > tgt.lease_s:  # its mover is gone: nothing stays stranded
                 log.warning("live move of %s into this engine was abandoned; freeing its "
                             "reservation", rid)
                 tgt.cancel(eng)
                 del self._live_in[rid]
+        for rid, h in list(self._handoffs.items()):
+            if h.held_at and now - h.held_at > h.lease_s:  # nobody came to send it
+                log.warning("hand-off of %s was not sent within %g s; failing it", rid, h.lease_s)
+                self.handoff_counts["leases_expired"] += 1  # (before its consumer hears)
+                self._handoff_fail(rid, f"the hand-off of request {rid!r} to its decode "
+                                        f"worker did not come within {h.lease_s:g} s")
         for rid, st in list(self._unclaimed.items()):
             if now - st.imported_at > CLAIM_TIMEOUT_S:
                 log.warning("imported stream %s was never resumed; aborting it", rid)
@@ -531,7 +651,11 @@ class AsyncLLMEngine:
 
     def _live_finish(self, rid: str, target: int) -> bool:
         src = self._live_out.pop(rid, None)
-        if src is not None:
+        if self._handoffs.pop(rid, None) is not None:
+            self.handoff_counts["out"] += 1
+            if src is not None:
+                src.release(self.engine)
+        elif src is not None:
             src.release(self.engine)
             self.moves.moved_out += 1
             self.moves.snapshot_bytes_out += src.bytes_sent
@@ -543,6 +667,10 @@ class AsyncLLMEngine:
         if src is None:
             return False
         thawed = src.thaw(self.engine)
+        if self._handoffs.pop(rid, None) is not None:  # a failed hand-off decodes here
+            seq = self.engine.seqs.get(rid)
+            # (a final stage that failed midway thawed the stream itself)
+            thawed = thawed or (seq is not None and seq in self.engine.scheduler.running)
         st = self._moving.pop(rid, None)
         if st is not None:
             if thawed:
@@ -552,11 +680,13 @@ class AsyncLLMEngine:
         self._refresh()
         return thawed
 
-    def _live_reserve(self, info: dict[str, Any], growth_tokens: int) -> dict[str, Any]:
+    def _live_reserve(self, info: dict[str, Any], growth_tokens: int,
+                      lease_s: float) -> dict[str, Any]:
         rid = info["request_id"]
         if rid in self._streams or rid in self._unclaimed or rid in self._live_in:
             raise MoveRefused(f"request id {rid!r} is in use here")
-        self._live_in[rid] = Target.reserve(self.engine, info, growth_tokens)
+        self._live_in[rid] = tgt = Target.reserve(self.engine, info, growth_tokens, lease_s)
+        tgt.handoff = bool(info.get("handoff"))  # type: ignore[attr-defined]
         self._refresh()
         return {"blocks": len(self.engine.kv.reserved.get(rid, []))}
 
@@ -585,10 +715,114 @@ class AsyncLLMEngine:
         st.imported_at = time.monotonic()
         self._unclaimed[rid] = st
         self._streams[rid] = st
-        self.moves.moved_in += 1
-        self.moves.snapshot_bytes_in += tgt.bytes_in
+        if getattr(tgt, "handoff", False):
+            self.handoff_counts["in"] += 1
+        else:
+            self.moves.moved_in += 1
+            self.moves.snapshot_bytes_in += tgt.bytes_in
         self._refresh()
         return rid
+
+    def _live_touch(self, rid: str) -> bool:
+        tgt = self._live_in.get(rid)
+        if tgt is None:
+            return False
+        tgt.touch()
+        return True
+
+    # ---- hand-offs (step thread) ----------------------------------------------------------
+    def _hold_handoffs(self, outs: list[RequestOutput]) -> None:
+        """Hand-off requests whose first token just went out leave the batch (held, their
+        blocks kept) and wait to be sent; one that ended with that token needs no hand-off."""
+        for out in outs:
+            rid = out.request_id
+            h = self._handoffs.get(rid)
+            if h is None or h.held_at:
+                continue
+            if out.finished:
+                del self._handoffs[rid]
+                self._resolve_waits(rid, {"finished": True})
+                continue
+            seq = self.engine.seqs.get(rid)
+            if seq is None:  # aborted meanwhile
+                del self._handoffs[rid]
+                self._resolve_waits(rid, {"gone": f"request {rid!r} was aborted"})
+                continue
+            src = Source(rid, "handoff", seq=seq)
+            try:
+                src.hold(self.engine)
+            except MoveRefused as e:  # parked by its own engine meanwhile: it decodes here
+                log.warning("hand-off request %s cannot be held (%s); it decodes here", rid, e)
+                seq.handoff = False
+                del self._handoffs[rid]
+                self._resolve_waits(rid, {"gone": str(e)})
+                continue
+            t0 = time.perf_counter()
+            try:  # the final stage now, between steps: the freeze need not wait for one
+                meta, data = src.freeze(self.engine)
+            except Exception as e:  # (thawed: it decodes here)
+                log.warning("hand-off request %s cannot be frozen (%s); it decodes here", rid, e)
+                del self._handoffs[rid]
+                self._resolve_waits(rid, {"gone": str(e)})
+                continue
+            meta["freeze_s"], meta["waited_s"] = time.perf_counter() - t0, 0.0
+            h.frozen = (meta, data)
+            h.held_at = time.monotonic()
+            self._live_out[rid] = src
+            st = self._streams.pop(rid, None)
+            if st is not None:  # waits for the verdict, as a moving stream's consumer does
+                self._moving[rid] = st
+            self._resolve_waits(rid, {"held": True, "tokens": src.frozen.num_computed
+                                      if src.frozen is not None else 0})
+
+    def _handoff_wait(self, rid: str, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        fut = loop.create_future()
+        h = self._handoffs.get(rid)
+        src = self._live_out.get(rid)
+        if h is not None and h.held_at and src is not None and src.frozen is not None:
+            fut.set_result({"held": True, "tokens": src.frozen.num_computed})
+        elif h is None and rid in self._handoff_ended:  # it ended before this wait came
+            fut.set_result(self._handoff_ended[rid])
+        elif h is None and rid in self._streams:  # here, but not for a hand-off
+            fut.set_result({"gone": f"request {rid!r} is not a hand-off request here"})
+        else:  # prefilling, or not arrived yet
+            self._handoff_waits.setdefault(rid, []).append(fut)
+        return fut
+
+    def _forget_wait(self, rid: str, fut: asyncio.Future) -> None:
+        waits = self._handoff_waits.get(rid, [])
+        if fut in waits:
+            waits.remove(fut)
+        if not waits:
+            self._handoff_waits.pop(rid, None)
+
+    def _resolve_waits(self, rid: str, answer: dict[str, Any]) -> None:
+        if not answer.get("held"):
+            self._handoff_ended[rid] = answer
+            self._handoff_ended.move_to_end(rid)
+            while len(self._handoff_ended) > HANDOFF_ENDED_KEPT:
+                self._handoff_ended.popitem(last=False)
+        for fut in self._handoff_waits.pop(rid, []):
+            try:
+                fut.get_loop().call_soon_threadsafe(_settle, fut, answer)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
+    def _handoff_fail(self, rid: str, why: str) -> bool:
+        h = self._handoffs.pop(rid, None)
+        src = self._live_out.pop(rid, None)
+        if h is None or src is None:
+            if h is not None:
+                self._resolve_waits(rid, {"gone": why})
+            return False
+        self.engine.abort(rid)  # frees the held blocks
+        self.handoff_counts["failed"] += 1
+        st = self._moving.pop(rid, None) or self._streams.pop(rid, None)
+        if st is not None:
+            st.put(HandoffFailed(why))
+        self._resolve_waits(rid, {"gone": why})
+        self._refresh()
+        return True
 
     def _live_cancel(self, rid: str) -> bool:
         tgt = self._live_in.pop(rid, None)
@@ -612,6 +846,9 @@ class AsyncLLMEngine:
         self._moving.clear()
         self._unclaimed.clear()
         self._live_out.clear()
+        for rid in list(self._handoffs) + list(self._handoff_waits):
+            self._resolve_waits(rid, {"gone": f"the engine failed: {err}"})
+        self._handoffs.clear()
         for tgt in self._live_in.values():
             tgt.cancel(self.engine)
         self._live_in.clear()

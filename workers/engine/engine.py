@@ -491,6 +491,9 @@ class LLMEngine:
             "tokens_restored_copy": self.tokens_restored_copy,
             "tokens_restored_device": self.tokens_restored_device,
             "tokens_recomputed": self.tokens_recomputed,
+            # every token the model ran (prompts, decode steps, recomputes): a decode worker's
+            # hand-offs add only their decode steps
+            "tokens_computed": self.prompt_tokens_computed,
             "host_prefix_hit_tokens": self.host_prefix_hit_tokens,
             "copy_bytes": host.copier.bytes_copied if host else 0,
             "copy_gbps": host.copier.gbps() if host else 0.0,

@@ -26,6 +26,10 @@ step thread, between steps):
 
 A stream that finishes, is aborted, or is parked by the source's scheduler during the rounds
 ends the move (the router may fall back to a stop-and-copy move for a parked one).
+
+A hand-off after prefill (disaggregated serving, router/handoff.py) is the final stage alone:
+the target reserves before the prompt runs, the source holds the stream once its first token
+is out (`Source.hold`) and reads all of it at once (`freeze`).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class Source:
     bytes_sent: int = 0
     frozen: StreamState | None = None  # set from the final stage on (the held stream)
     seq: Sequence | None = None
+    final_hashes: list[int] = field(default_factory=list)  # of the blocks not sent, at hold
     read_s_per_block: float = 0.0  # moving average of the rounds' copy time per block
     last_round: float = 0.0  # when the last round ran (monotonic)
 
@@ -175,23 +180,37 @@ class Source:
         self.bytes_sent += data.nbytes
         return meta, data
 
-    def freeze(self, engine: LLMEngine) -> tuple[dict[str, Any], np.ndarray]:
-        """The final stage: the stream leaves the batch (its blocks kept); the blocks not
-        sent yet, its partial tail and its request state."""
+    def hold(self, engine: LLMEngine) -> None:
+        """Take the stream out of the batch, its blocks kept (`KVCacheManager.hold`): it
+        runs no further here until `freeze` sends it or `thaw` puts it back."""
         self.check(engine)
         seq = self.seq
         assert seq is not None
+        bs = engine.kv.block_size
+        self.final_hashes = _hashes(engine, seq, self.sent,
+                                    engine.kv.num_computed(self.request_id) // bs)
+        engine.scheduler.running.remove(seq)
+        self.frozen = engine.kv.hold(self.request_id)
+
+    def freeze(self, engine: LLMEngine) -> tuple[dict[str, Any], np.ndarray]:
+        """The final stage: the stream leaves the batch (its blocks kept; or it was held
+        already, a hand-off after prefill); the blocks not sent yet, its partial tail and its
+        request state."""
+        if self.frozen is None:
+            self.hold(engine)
+        elif (engine.seqs.get(self.request_id) is not self.seq
+              or self.request_id not in engine.kv.held):
+            raise MoveRefused(f"request {self.request_id!r} was aborted during its move")
+        seq = self.seq
+        assert seq is not None and self.frozen is not None
         move = transport(engine)
         assert move is not None  # (begin checked it)
-        bs = engine.kv.block_size
-        hashes = _hashes(engine, seq, self.sent, engine.kv.num_computed(self.request_id) // bs)
-        engine.scheduler.running.remove(seq)
-        self.frozen = state = engine.kv.hold(self.request_id)
+        state = self.frozen
         try:
             n = state.num_computed
             ids = state.block_ids[self.sent : engine.kv.blocks_needed(n)]
-            meta = {"first": self.sent, "blocks": len(ids), "tokens": n, "hashes": hashes,
-                    "record": stream_record(engine, seq)}
+            meta = {"first": self.sent, "blocks": len(ids), "tokens": n,
+                    "hashes": self.final_hashes, "record": stream_record(engine, seq)}
             data = np.empty(0, dtype=np.uint8)
             if ids:
                 t = move.read(ids)
@@ -213,6 +232,7 @@ class Source:
         if seq is None or self.request_id not in engine.kv.held:  # aborted meanwhile
             return False
         engine.kv.unhold(self.request_id, state)
+        seq.handoff = False  # a hand-off that failed: it decodes here after all
         engine.scheduler.running.append(seq)
         if seq.lora is not None:
             engine.scheduler.regroup()
@@ -258,15 +278,17 @@ class Target:
     hashes: list[int] = field(default_factory=list)
     touched: float = field(default_factory=time.monotonic)
     bytes_in: int = 0
+    lease_s: float = LEASE_S  # freed by this engine when untouched for this long
     # the stream's LoRA adapter here, held in host memory and in a device slot from the
     # reservation on (the stream runs at once when it commits)
     lora: Adapter | None = None
 
     @staticmethod
     def reserve(engine: LLMEngine, info: dict[str, Any],
-                growth_tokens: int = DEFAULT_GROWTH_TOKENS) -> Target:
-        """Reserve room for a stream described by the source's `begin`; MoveRefused when
-        this engine cannot take it (nothing is then held)."""
+                growth_tokens: int = DEFAULT_GROWTH_TOKENS, lease_s: float = LEASE_S) -> Target:
+        """Reserve room for a stream described by the source's `begin` (or, for a hand-off
+        after prefill, by the router before the prompt runs: `tokens` is then the prompt's
+        length); MoveRefused when this engine cannot take it (nothing is then held)."""
         rid = info["request_id"]
         if info["model"] != model_geometry(engine):
             raise MoveRefused(f"the stream's model ({info['model']}) is not this engine's "
@@ -297,7 +319,11 @@ class Target:
             _let_go(engine, ad)
             raise MoveRefused(f"no room for the stream: it needs {n} KV blocks, "
                               f"{e.free} are free here") from None
-        return Target(rid, lora=ad)
+        return Target(rid, lease_s=lease_s, lora=ad)
+
+    def touch(self) -> None:
+        """The mover is still there (a hand-off whose prompt is still being prefilled)."""
+        self.touched = time.monotonic()
 
     def _ensure(self, engine: LLMEngine, blocks: int) -> list[int]:
         have = engine.kv.reserved[self.request_id]

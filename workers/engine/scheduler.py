@@ -24,8 +24,9 @@ they are recomputed (the choice and its reason go with the stream, `Sequence.res
 
 Under asynchronous scheduling a running stream may have one sampled token still on the
 device (`Sequence.inflight_row`): it is planned one token further, with that token as its
-input. A stream that will certainly finish with that token (its length limit) is not
-planned again, one with `requires_sync` waits for the token, and a parked stream is not
+input. A stream that will certainly finish with that token (its length limit), or that is
+handed to another worker after its first token (`Sequence.handoff`), is not planned again,
+one with `requires_sync` waits for the token, and a parked stream is not
 admitted until its last token has arrived.
 
 LoRA (`adapters.py`): a stream of an adapter is admitted only with its adapter in a device
@@ -248,8 +249,8 @@ class Scheduler:
             done = 0 if state is None else state.num_computed
             ids = s.all_ids
             if s.inflight_row >= 0:
-                if s.requires_sync or len(ids) + 1 >= s.max_len:
-                    continue  # waits for its token, or finishes with it
+                if s.requires_sync or s.handoff or len(ids) + 1 >= s.max_len:
+                    continue  # waits for its token, finishes with it, or is handed off
                 pending = 1
             else:
                 pending = 0

@@ -118,6 +118,9 @@ class Sequence:
         # how a parked stream comes back (by copy or recomputed, and why), set on admission
         self.restore_choice: Choice | None = None
         self.num_evictions = 0
+        # prefilled here for another worker (disaggregated serving): once its first token is
+        # sampled it is not planned again; the async engine holds it for the hand-off
+        self.handoff = False
 
     def set_output_ids(self, ids: list[int]) -> None:
         """Replace the generated ids (a snapshot resuming here)."""

@@ -129,6 +129,14 @@ def export_stream(engine: LLMEngine, request_id: str) -> bytes:
     return out
 
 
+def snapshot_without_kv(record: dict[str, Any]) -> bytes:
+    """A snapshot of a stream from its request state alone (`stream_record`): the engine
+    that imports it recomputes the KV (a hand-off whose copy failed)."""
+    return msgpack.packb({**record, "computed_tokens": 0,
+                          "kv": {"tokens": 0, "block_size": 0, "dtype": "", "shape": [0],
+                                 "data": b""}}, use_bin_type=True)
+
+
 def import_stream(engine: LLMEngine, data: bytes, request_id: str | None = None) -> str:
     """Queue a snapshot's stream as parked in `engine`; it resumes where it stopped."""
     try:

@@ -114,6 +114,10 @@ for the embedded default model. */}}
 {{- if and (gt (float64 .Values.serve.numGpusPerWorker) 0.0) (eq (int .Values.workerGroup.gpus) 0) }}
 {{- fail "serve.numGpusPerWorker > 0 needs GPU worker pods: set workerGroup.gpus (and a -gpu image tag)" }}
 {{- end }}
+{{- if and .Values.serve.autoscaling.enabled (or (gt (int .Values.serve.prefill.workers) 0) (gt (int .Values.serve.decode.workers) 0)) }}
+{{- fail "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined with serve.prefill.workers and serve.decode.workers: turn one of them off" }}
+{{- end }}
+{{- include "kvserve.validateRoles" . }}
 {{- $need := mulf (float64 .Values.serve.numWorkers) (float64 .Values.serve.numGpusPerWorker) }}
 {{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
 {{- if gt $need $have }}
@@ -197,6 +201,60 @@ autoscaler adds where the running ones cannot).
 {{- end }}
 {{- else if gt $gpw 0.0 }}
 {{- fail (printf "a worker pod holds no worker: workerGroup.gpus %d < serve.numGpusPerWorker %v" (int .Values.workerGroup.gpus) .Values.serve.numGpusPerWorker) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Prefill and decode worker values that cannot work together fail the render. */}}
+{{- define "kvserve.validateRoles" -}}
+{{- $s := .Values.serve }}
+{{- $p := int $s.prefill.workers }}
+{{- $d := int $s.decode.workers }}
+{{- if and (eq $p 0) (eq $d 0) }}
+{{- if eq (int $s.numWorkers) 0 }}
+{{- fail "serve.numWorkers must be at least 1 (or set serve.prefill.workers and serve.decode.workers)" }}
+{{- end }}
+{{- range $k := list "prefill" "decode" }}
+{{- $r := get $s $k }}
+{{- if or (not (kindIs "invalid" $r.gpusPerWorker)) (not (kindIs "invalid" $r.tensorParallelSize)) }}
+{{- fail (printf "serve.%s.gpusPerWorker and serve.%s.tensorParallelSize need serve.prefill.workers and serve.decode.workers" $k $k) }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- if or (eq $p 0) (eq $d 0) }}
+{{- fail "serve.prefill.workers and serve.decode.workers go together: prefill workers hand their streams to decode workers" }}
+{{- end }}
+{{- if gt (int $s.numWorkers) 0 }}
+{{- fail "serve.prefill.workers and serve.decode.workers replace the mixed workers: set serve.numWorkers to 0" }}
+{{- end }}
+{{- $need := 0.0 }}
+{{- $ongpu := dict }}
+{{- range $k := list "prefill" "decode" }}
+{{- $r := get $s $k }}
+{{- $g := float64 $s.numGpusPerWorker }}
+{{- if not (kindIs "invalid" $r.gpusPerWorker) }}{{ $g = float64 $r.gpusPerWorker }}{{ end }}
+{{- $tp := int $s.tensorParallelSize }}
+{{- if not (kindIs "invalid" $r.tensorParallelSize) }}{{ $tp = int $r.tensorParallelSize }}{{ end }}
+{{- if and (gt $tp 1) (gt $g 0.0) (ne $g (float64 $tp)) }}
+{{- fail (printf "a %s worker with tensor-parallel size %d runs one rank per GPU: serve.%s.gpusPerWorker must be %d, not %v" $k $tp $k $tp $g) }}
+{{- end }}
+{{- if and (gt $tp 1) (gt $g 0.0) (lt (int $.Values.workerGroup.gpus) $tp) }}
+{{- fail (printf "a %s worker's %d GPUs must be in one pod: workerGroup.gpus is %d" $k $tp (int $.Values.workerGroup.gpus)) }}
+{{- end }}
+{{- $need = addf $need (mulf (float64 $r.workers) $g) }}
+{{- $_ := set $ongpu $k (gt $g 0.0) }}
+{{- end }}
+{{- if and (gt $need 0.0) (eq (int .Values.workerGroup.gpus) 0) }}
+{{- fail "prefill or decode workers with GPUs need GPU worker pods: set workerGroup.gpus (and a -gpu image tag)" }}
+{{- end }}
+{{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
+{{- if gt $need $have }}
+{{- fail (printf "the prefill and decode workers need %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
+{{- end }}
+{{- $dtype := "auto" }}
+{{- with $s.engine }}{{ if hasKey . "dtype" }}{{ $dtype = get . "dtype" }}{{ end }}{{ end }}
+{{- if and (ne (get $ongpu "prefill") (get $ongpu "decode")) (eq $dtype "auto") }}
+{{- fail "prefill and decode workers on GPUs and on the CPU have other KV dtypes (bfloat16, float32) and cannot exchange KV: give both roles GPUs, or set serve.engine.dtype" }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -387,6 +445,15 @@ livenessProbe:
   "max_imbalance" $s.maxImbalance
   "max_inflight_per_worker" $s.maxInflightPerWorker
   "shutdown_grace_s" $s.shutdownGraceS
+  "prefill_workers" $s.prefill.workers
+  "decode_workers" $s.decode.workers
+  "prefill_gpus_per_worker" $s.prefill.gpusPerWorker
+  "decode_gpus_per_worker" $s.decode.gpusPerWorker
+  "prefill_tensor_parallel_size" $s.prefill.tensorParallelSize
+  "decode_tensor_parallel_size" $s.decode.tensorParallelSize
+  "disagg_min_prompt_tokens" $s.disagg.minPromptTokens
+  "disagg_local_prefix_share" $s.disagg.localPrefixShare
+  "disagg_failure_policy" $s.disagg.failurePolicy
 }}
 {{- with $s.autoscaling }}
 {{- if .enabled }}
