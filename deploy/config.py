@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.config import EngineConfig
+from kvserve.deploy.autoscaling import AutoscalingSettings
 from kvserve.router.config import RouterConfig
 from kvserve.speculative import SpeculativeConfig, parse_speculative_config
 
@@ -38,7 +40,12 @@ class ServeConfig(BaseModel):
     )
     num_workers: int = Field(
         1, ge=0, description="mixed worker actors, one engine each (0 with prefill_workers "
-                             "and decode_workers, the default then)")
+                             "and decode_workers, the default then); with autoscaling, the "
+                             "workers it starts with (default: max(1, min_workers))")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="the worker pool follows the load between min_workers and "
+                          "max_workers (None: a fixed pool of num_workers); mixed workers "
+                          "only, not with prefill_workers and decode_workers")
     num_gpus_per_worker: float = Field(
         0, ge=0, description="0 on CPU; a tensor-parallel worker's GPUs: one per rank")
     num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
@@ -202,6 +209,16 @@ class ServeConfig(BaseModel):
             data = {**data, "num_workers": 0}
         return data
 
+    @model_validator(mode="after")
+    def _autoscaling_mixed_only(self) -> ServeConfig:
+        # (before the role and autoscaling checks: this is the one error such a config gets)
+        if self.autoscaling is not None and (self.prefill_workers or self.decode_workers):
+            raise ValueError(
+                "autoscaling works on mixed workers only; autoscaling (--min-workers, "
+                "--max-workers) cannot be combined with prefill_workers and decode_workers "
+                "(--prefill-workers, --decode-workers): drop one of them")
+        return self
+
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill_workers or self.decode_workers)
@@ -325,6 +342,25 @@ class ServeConfig(BaseModel):
                              "set ssl_certfile and ssl_keyfile too")
         return self
 
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> ServeConfig:
+        a = self.autoscaling
+        if a is None:
+            return self
+        lo = max(1, a.min_workers)
+        if "num_workers" not in self.model_fields_set:
+            self.num_workers = lo
+            self.model_fields_set.add("num_workers")  # (validate_assignment is off)
+        elif not lo <= self.num_workers <= a.max_workers:
+            raise ValueError(f"num_workers ({self.num_workers}) is the worker count autoscaling "
+                             f"starts with: it must be within [max(1, min_workers), "
+                             f"max_workers] = [{lo}, {a.max_workers}]")
+        return self
+
+    def most_workers(self) -> int:
+        """The most workers this app may run at once (the placement check's demand)."""
+        return max(self.num_workers, self.autoscaling.max_workers if self.autoscaling else 0)
+
     @property
     def tls(self) -> bool:
         """Whether both APIs serve TLS."""
@@ -396,6 +432,7 @@ class ServeConfig(BaseModel):
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
             load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
             slot_grace_s=self.slot_grace_s, placement_timeout_s=self.placement_timeout_s,
+            autoscaling=asdict(self.autoscaling.policy()) if self.autoscaling else {},
             migration={"enabled": self.migration,
                        "park_threshold_s": self.migration_park_threshold_s,
                        "max_inflight": self.migration_max_inflight,

@@ -20,15 +20,22 @@ class ServiceError(Exception):
         "internal": (grpc.StatusCode.INTERNAL, 500, "internal_error"),
     }
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, retry_after: int | None = None) -> None:
         if kind not in self.KINDS:
             kind = "internal"
         super().__init__(message)
         self.kind = kind
         self.message = message
+        # seconds after which a retry should find the service able to serve: HTTP's
+        # Retry-After (Serve's gRPC proxy sends no trailing metadata with an error status, so
+        # on gRPC the message names it); set where the request already waited
+        self.retry_after = retry_after
 
     def __reduce__(self) -> tuple:  # picklable: Ray ships it from the replica to the proxy
-        return (ServiceError, (self.kind, self.message))
+        return (ServiceError, (self.kind, self.message, self.retry_after))
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(int(self.retry_after))}
 
     @property
     def grpc_code(self) -> grpc.StatusCode:

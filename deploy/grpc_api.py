@@ -148,6 +148,25 @@ def _stream_response(
     )
 
 
+def autoscaling_info(a: dict[str, Any] | None) -> pb.AutoscalingInfo | None:
+    """The router's autoscaling block as the proto message."""
+    if not a:
+        return None
+    pending = a.get("pending") or {}
+    return pb.AutoscalingInfo(
+        enabled=a["enabled"], min_workers=a["min_workers"], max_workers=a["max_workers"],
+        desired_workers=a["desired_workers"], serving_workers=a["serving_workers"],
+        starting_workers=a["starting_workers"], draining_workers=a["draining_workers"],
+        queued_requests=a["queued_requests"], reason=a["reason"], detail=a["detail"],
+        pending_direction=pending.get("direction", ""), pending_in_s=pending.get("in_s", 0.0),
+        signals=a["signals"], decisions=a["decisions"],
+        cold_starts=[pb.ColdStart(worker_id=c["worker_id"], reason=c["reason"],
+                                  cold_start_s=c["cold_start_s"],
+                                  pressure_to_serving_s=c["pressure_to_serving_s"],
+                                  load_seconds=c["load_s"]) for c in a["cold_starts"]],
+        upscale_delay_s=a["upscale_delay_s"], downscale_delay_s=a["downscale_delay_s"])
+
+
 async def _check_model(svc: Service, request: Any) -> str | None:
     """The LoRA adapter the request's `model` names (None: the base model)."""
     if request.model == INVALID_UTF8_MARKER:
@@ -309,7 +328,8 @@ class GrpcFrontend:
                                         routing_policy=info["routing_policy"],
                                         metrics_port=info["ray"]["metrics_port"],
                                         dashboard_url=info["ray"]["dashboard_url"],
-                                        max_model_len=svc.max_model_len)
+                                        max_model_len=svc.max_model_len,
+                                        autoscaling=autoscaling_info(info.get("autoscaling")))
 
     async def MoveStream(
         self, request: pb.MoveStreamRequest, grpc_context: Any

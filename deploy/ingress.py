@@ -84,6 +84,11 @@ class KVServeIngress(GrpcFrontend):
         except ServiceError as e:  # the router is restarting
             return JSONResponse({"status": "unavailable", "detail": e.message}, status_code=503)
         alive = sum(w["alive"] for w in info["workers"])
+        scaling = info.get("autoscaling") or {}
+        if not alive and scaling.get("enabled") and scaling.get("min_workers") == 0:
+            # scaled to zero by design: a request starts a worker and waits for it
+            return JSONResponse({"status": "scaled_to_zero", "workers_alive": 0,
+                                 "starting": scaling.get("starting_workers", 0)})
         return JSONResponse({"status": "ok" if alive else "unavailable", "workers_alive": alive},
                             status_code=200 if alive else 503)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.deploy import tls
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
+from kvserve.deploy.autoscaling import add_autoscaling_args, autoscaling_from_args
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.placement import PlacementError, check_placement
 from kvserve.deploy.ray_start import init_ray
@@ -397,7 +398,10 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
     context = _served_context(cfg)
     n = cfg.total_workers
     serving = f"{n - len(not_ready)} of {_workers(cfg)}" if not_ready else _workers(cfg)
-    print(f"kvserve: serving {cfg.model_name()} on {serving}"
+    a = cfg.autoscaling
+    scaling = (f", autoscaling {a.min_workers}..{a.max_workers} (delays: up "
+               f"{a.upscale_delay_s:g} s, down {a.downscale_delay_s:g} s)" if a else "")
+    print(f"kvserve: serving {cfg.model_name()} on {serving}{scaling}"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
     for worker, state in not_ready.items():
         print(f"  {worker:<10} {state}")
@@ -487,7 +491,8 @@ def add_serve_parser(sub: Any) -> None:
                    help=f"{MODEL_HELP}; one per service")
     s.add_argument("--workers", type=int, default=None,
                    help="worker actors (one engine each; default 1, or none with "
-                        "--prefill-workers and --decode-workers)")
+                        "--prefill-workers and --decode-workers); with autoscaling, the "
+                        "workers it starts with (default: max(1, --min-workers))")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
                         "default: the tensor-parallel size if CUDA else 0")
@@ -560,6 +565,7 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--shutdown-grace-s", type=float, default=120.0,
                    help="on SIGTERM / Ctrl-C, requests in flight get this long to finish "
                         "(then UNAVAILABLE / 503)")
+    add_autoscaling_args(s)
     e = s.add_argument_group("engine")
     e.add_argument("--kv-cache-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None,
@@ -623,7 +629,11 @@ def config_from_args(a: Any) -> ServeConfig:
     from pydantic import ValidationError
 
     try:
-        return _serve_config(a, engine, gpus, role_gpus)
+        autoscaling = autoscaling_from_args(a)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return _serve_config(a, engine, gpus, role_gpus, autoscaling)
     except ValidationError as e:  # one line, as the other start-up errors
         raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
     except ValueError as e:  # --speculative-config's JSON
@@ -637,7 +647,8 @@ def _error_line(err: Any) -> str:
 
 
 def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
-                  role_gpus: dict[str, float | None]) -> ServeConfig:
+                  role_gpus: dict[str, float | None],
+                  autoscaling: dict[str, Any] | None) -> ServeConfig:
     roles: dict[str, Any] = {}
     if a.prefill_workers or a.decode_workers:
         roles = {"prefill_workers": a.prefill_workers, "decode_workers": a.decode_workers,
@@ -656,8 +667,12 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
         if a.disagg_min_prompt_tokens is not None or a.disagg_failure_policy != "recompute":
             raise ConfigError("--disagg-min-prompt-tokens and --disagg-failure-policy need "
                               "--prefill-workers and --decode-workers")
+    # an unset --workers stays unset: with autoscaling the pool starts at its minimum, with
+    # prefill and decode workers there are no mixed ones
     if a.workers is not None:
         roles["num_workers"] = a.workers
+    if autoscaling is not None:
+        roles["autoscaling"] = autoscaling  # (refused with prefill and decode workers)
     return ServeConfig(
         **roles, num_gpus_per_worker=gpus, model=a.model,
         tensor_parallel_size=a.tensor_parallel_size,

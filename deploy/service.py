@@ -303,8 +303,9 @@ class Service:
             sent = 0
             try:
                 if slot.epoch != self.epoch or slot.idx >= len(self.workers):
-                    # the router was restarted with new workers, or started more
-                    await self.router.ready.remote(self.cfg.wait_for_all_workers)
+                    # the router was restarted with new workers, or started more: their
+                    # handles (the chosen worker is ready; new ones still loading are not
+                    # waited for)
                     await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,
@@ -378,13 +379,16 @@ class Service:
 
         While the router restarts, or no worker is up (a restart under way), it asks again
         for up to `unavailable_wait_s`: a request that has no token yet waits for the
-        service to come back rather than failing."""
+        service to come back rather than failing. An autoscaled pool with no worker serving
+        holds the pick in the router's queue while one starts; its refusal (with a retry
+        time) is final."""
         deadline = time.monotonic() + self.cfg.unavailable_wait_s
         while True:
             try:
                 slot = await self._pick_once(hashes, req, tried, leases)
             except ServiceError as e:
-                if e.kind != "unavailable" or time.monotonic() >= deadline:
+                if (e.kind != "unavailable" or e.retry_after is not None
+                        or time.monotonic() >= deadline):
                     raise
             else:
                 if slot is not None or time.monotonic() >= deadline:
@@ -418,7 +422,7 @@ class Service:
                 return None
             if pick["error"] == "not_found":  # an adapter unloaded since this replica looked
                 self.loras.pop(req.lora or "", None)
-            raise ServiceError(pick["error"], pick["message"])
+            raise ServiceError(pick["error"], pick["message"], pick.get("retry_after"))
         # no await from the pick's answer to here: the slot is registered before any cancel
         slot = Slot(self.router, pick, req.request_id, self.live)
         if leases is not None:

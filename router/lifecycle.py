@@ -50,10 +50,12 @@ def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -
             if ray.get(old.config_digest.remote(), timeout=120) == digest:
                 return old
             if ray.get(old.shape_digest.remote(), timeout=120) == router_config.shape_digest():
-                res = ray.get(old.resize.remote(router_config.num_workers), timeout=120)
-                log.warning("router: the worker count changed to %d; draining workers %s, "
-                            "started workers %s", router_config.num_workers, res["draining"],
-                            res["started"])
+                res = ray.get(old.resize.remote(router_config.num_workers,
+                                                router_config.autoscaling), timeout=120)
+                log.warning("router: the worker count or autoscaling changed (%d workers, "
+                            "autoscaling %s); draining workers %s, started workers %s",
+                            router_config.num_workers, router_config.autoscaling or "off",
+                            res["draining"], res["started"])
                 return old
             log.warning("router: the configuration changed; replacing the router and its workers")
         except (RayActorError, ray.exceptions.GetTimeoutError):

@@ -5,12 +5,17 @@ decisions are split by where the matched prefix lives, `device_affinity` when th
 worker holds all of it in device memory (or had it routed there just now), else
 `host_affinity` (some of it is only in its host tier).
 
+The autoscaling series: the workers the policy wants and those there are (serving, starting,
+draining), its decisions by direction and reason, the requests waiting for a worker while
+none serves, and each new worker's cold start (from the decision to its first poll as ready).
+
 The migration series count, per worker, the streams and snapshot bytes moved in and out,
 the moves that failed on their target, the sessions re-pinned there, and its drain state.
 """
 
 from __future__ import annotations
 
+from kvserve.router.autoscale import DOWN_REASONS, UP_REASONS
 from kvserve.router.policy import Decision, WorkerView
 from kvserve.workers.metrics import zero
 
@@ -58,6 +63,7 @@ class RouterMetrics:
         zero(self.retries)
         self.migration = MigrationMetrics(policy, list(worker_ids))
         self.disagg = DisaggMetrics(policy)
+        self.autoscaler = AutoscalerMetrics(policy)
 
     def picked(self, d: Decision, chosen: WorkerView, block_hashes: list[int], retry: bool) -> None:
         self.decisions.inc(tags={"kind": decision_kind(d, chosen, block_hashes)})
@@ -69,6 +75,7 @@ class RouterMetrics:
         value once per report, so one set once at start would vanish)."""
         self.alive.set(sum(v.alive for v in views))
         self.migration.refresh()
+        self.autoscaler.refresh()
 
 
 
@@ -198,3 +205,65 @@ class MigrationMetrics:
     def refresh(self) -> None:
         for w, state in self.states.items():
             self.draining.set(DRAIN_STATES[state], tags={"worker": w})
+
+
+POOL_STATES = ("serving", "starting", "draining")
+
+
+class AutoscalerMetrics:
+    """The pool's size as the autoscaling policy wants it and as it is, and its decisions."""
+
+    def __init__(self, policy: str) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        tags = {"policy": policy}
+        self.desired = Gauge("kvserve_autoscaler_desired_workers", "workers the autoscaling "
+                             "policy wants (the fixed count when it is off)",
+                             tag_keys=("policy",)).set_default_tags(tags)
+        self.workers = Gauge("kvserve_autoscaler_workers", "workers by state: serving, "
+                             "starting (waiting for resources included), draining",
+                             tag_keys=("policy", "state")).set_default_tags(tags)
+        self.queued = Gauge("kvserve_autoscaler_queued_requests", "requests waiting at the "
+                            "router for a worker while none serves", tag_keys=("policy",)
+                            ).set_default_tags(tags)
+        self.decisions = Counter("kvserve_autoscaler_decisions", "pool size changes the "
+                                 "autoscaling policy made, by direction and reason",
+                                 tag_keys=("policy", "direction", "reason")
+                                 ).set_default_tags(tags)
+        # gauges, not a histogram: a histogram is exported only once observed, and starts
+        # are rare; each start sets them (0 until one)
+        self.cold_start = Gauge("kvserve_autoscaler_cold_start_seconds", "the latest worker "
+                                "the policy started: from the decision to its serving "
+                                "(placement, start, model load)", tag_keys=("policy",)
+                                ).set_default_tags(tags)
+        self.pressure = Gauge("kvserve_autoscaler_pressure_to_serving_seconds", "the latest "
+                              "worker the policy started: from the first poll that wanted it "
+                              "to its serving", tag_keys=("policy",)).set_default_tags(tags)
+        for reason in UP_REASONS:
+            zero(self.decisions, {"direction": "up", "reason": reason})
+        for reason in DOWN_REASONS:
+            zero(self.decisions, {"direction": "down", "reason": reason})
+        self.values: dict[str, float] = {"desired": 0, "queued": 0, "cold_start": 0.0,
+                                         "pressure": 0.0, **{s: 0 for s in POOL_STATES}}
+        self.refresh()
+
+    def pool(self, desired: int, counts: dict[str, int], queued: int) -> None:
+        self.values.update(desired=desired, queued=queued, **counts)
+        self.refresh()
+
+    def decided(self, direction: str, reason: str) -> None:
+        self.decisions.inc(tags={"direction": direction, "reason": reason})
+
+    def started(self, cold_start_s: float, pressure_s: float) -> None:
+        self.values.update(cold_start=cold_start_s, pressure=pressure_s)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re-)export the gauges: Ray reports a gauge's value once per period."""
+        v = self.values
+        self.desired.set(v["desired"])
+        self.queued.set(v["queued"])
+        self.cold_start.set(v["cold_start"])
+        self.pressure.set(v["pressure"])
+        for s in POOL_STATES:
+            self.workers.set(v.get(s, 0), tags={"state": s})

@@ -370,7 +370,9 @@ def test_workers_whose_kv_cannot_be_exchanged_are_refused_at_start(model):
         with pytest.raises(ray.exceptions.RayTaskError,
                            match="worker-0 \\(prefill\\) and worker-1 \\(decode\\) cannot "
                                  "exchange KV: KV block size 16 vs 32"):
-            ray.get(router.ready.remote())
+            # both workers answer first: one waiting for CPUs (others' actors hold them)
+            # would join later and be refused alone (router._refuse_unexchangeable), not fail it
+            ray.get(router.ready.remote(True))
         states = [w["state"] for w in ray.get(router.server_info.remote())["workers"]]
         assert all(s.startswith("failed: ") and "block size" in s for s in states), states
     finally:

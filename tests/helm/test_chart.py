@@ -64,6 +64,18 @@ TENSOR_PARALLEL = {
               "numCpusPerWorker": 8, "engine": {"dtype": "bfloat16"}},
     "workerGroup": {"gpus": 8, "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
 }
+# kvserve's worker pool follows the load (0..4 workers, 2 per pod) on pods Ray's autoscaler
+# adds and removes (0..2)
+WORKER_AUTOSCALING = {
+    "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
+    "serve": {"numWorkers": 1, "numGpusPerWorker": 1,
+              "autoscaling": {"enabled": True, "minWorkers": 0, "maxWorkers": 4,
+                              "upscaleDelayS": 15, "downscaleDelayS": 300,
+                              "downscaleToZeroDelayS": 900, "maxStep": 2, "upscaleTtftS": 2.5,
+                              "queueTimeoutS": 300}},
+    "workerGroup": {"gpus": 2, "replicas": 1, "minReplicas": 0, "maxReplicas": 2},
+    "autoscaling": {"enabled": True, "idleTimeoutSeconds": 120},
+}
 DISAGGREGATED = {
     "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
     "serve": {"numWorkers": 0, "numCpusPerWorker": 4, "engine": {"dtype": "bfloat16"},
@@ -76,6 +88,7 @@ CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "disaggregated": DISAGGREGATED,
     "gpu-autoscaling": GPU_AUTOSCALING,
+    "worker-autoscaling": WORKER_AUTOSCALING,
     "tensor-parallel": TENSOR_PARALLEL,
     "api-keys-existing-secret": {"apiKeys": {"existingSecret": "llm-keys", "secretKey": "keys"}},
     "api-keys-created": {"apiKeys": {"keys": ["key-one", "key-two"]}},
@@ -370,7 +383,11 @@ def test_ray_cluster_config(case):
     assert worker_spec.get("tolerations", []) == wg.get("tolerations", [])
     if name == "tensor-parallel":  # a worker's 4 GPUs in one pod, two workers per pod
         assert worker_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    if name == "gpu-autoscaling":
+    if name == "worker-autoscaling":  # the pods kvserve's workers wait for come and go
+        assert rc["enableInTreeAutoscaling"] is True
+        assert rc["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+        assert worker_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    elif name == "gpu-autoscaling":
         assert rc["enableInTreeAutoscaling"] is True
         opts = rc["autoscalerOptions"]
         assert opts["upscalingMode"] == "Aggressive" and opts["idleTimeoutSeconds"] == 300
@@ -561,6 +578,8 @@ def test_notes_name_the_services():
      "at '/serve/speculativeConfig/method'"),
     ({"serve": {"speculativeConfig": {"method": "ngram"}}},
      "at '/serve/speculativeConfig': missing property 'num_speculative_tokens'"),
+    ({"serve": {"autoscaling": {"minWorkers": -1}}}, "at '/serve/autoscaling/minWorkers'"),
+    ({"serve": {"autoscaling": {"maxWorker": 2}}}, "additional properties 'maxWorker' not allowed"),
     ({"serve": {"disagg": {"failurePolicy": "retry"}}}, "at '/serve/disagg/failurePolicy'"),
     ({"serve": {"prefill": {"tensorParallelSize": 0}}}, "at '/serve/prefill/tensorParallelSize'"),
     ({"serve": {"decode": {"replicas": 2}}}, "additional properties 'replicas' not allowed"),
@@ -602,6 +621,27 @@ def test_schema_rejects(values, message):
      "serve.engine.tensor_parallel_size differs from serve.tensorParallelSize"),
     ({"serve": {"tensorParallelSize": 2, "numCpusPerWorker": 0}},
      "serve.numCpusPerWorker must be > 0"),
+    ({"serve": {"autoscaling": {"enabled": True, "minWorkers": 3, "maxWorkers": 2}}},
+     "serve.autoscaling.minWorkers (3) must not exceed serve.autoscaling.maxWorkers (2)"),
+    ({"serve": {"numWorkers": 3, "autoscaling": {"enabled": True, "maxWorkers": 2}}},
+     "serve.numWorkers (3) is where autoscaling starts: it must be within [max(1, "
+     "serve.autoscaling.minWorkers), serve.autoscaling.maxWorkers] = [1, 2]"),
+    ({"serve": {"autoscaling": {"enabled": True, "upscaleKvUse": 0.4}}},
+     "serve.autoscaling.downscaleKvUse must be below serve.autoscaling.upscaleKvUse"),
+    # the worker group's bounds must cover maxWorkers: 5 workers of 1 GPU in pods of 2
+    (WORKER_AUTOSCALING | {"serve": {"numGpusPerWorker": 1, "autoscaling": {
+        "enabled": True, "maxWorkers": 5}}},
+     "serve.autoscaling.maxWorkers 5 needs 3 worker pods (2 per pod: workerGroup.gpus / "
+     "serve.numGpusPerWorker), but workerGroup.maxReplicas is 2"),
+    # CPU workers: the pod's 4 CPUs hold 4
+    ({"serve": {"autoscaling": {"enabled": True, "maxWorkers": 8}},
+      "workerGroup": {"maxReplicas": 1}},
+     "serve.autoscaling.maxWorkers 8 needs 2 worker pods (4 per pod: the pod's CPUs / "
+     "serve.numCpusPerWorker), but workerGroup.maxReplicas is 1"),
+    # pods beyond those that start need Ray's autoscaler
+    (WORKER_AUTOSCALING | {"autoscaling": {"enabled": False}},
+     "serve.autoscaling.maxWorkers 4 needs 2 worker pods (2 per pod: workerGroup.gpus / "
+     "serve.numGpusPerWorker), and workerGroup.replicas starts 1: turn on autoscaling.enabled"),
     ({"serve": {"numWorkers": 0}}, "serve.numWorkers must be at least 1"),
     ({"serve": {"numWorkers": 0, "prefill": {"workers": 1}}},
      "serve.prefill.workers and serve.decode.workers go together"),
@@ -620,10 +660,42 @@ def test_schema_rejects(values, message):
     ({"serve": {"numWorkers": 0, "prefill": {"workers": 1, "gpusPerWorker": 1},
                 "decode": {"workers": 1}}, "workerGroup": {"gpus": 1}},
      "cannot exchange KV: give both roles GPUs, or set serve.engine.dtype"),
+    # autoscaling and worker roles are not combined: one clear refusal
+    ({"serve": {**DISAGGREGATED["serve"], "autoscaling": {"enabled": True, "maxWorkers": 3}},
+      "workerGroup": {"gpus": 4}},
+     "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined "
+     "with serve.prefill.workers and serve.decode.workers"),
 ])
 def test_inconsistent_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(values)
+
+
+def test_worker_autoscaling_reaches_the_app():
+    """serve.autoscaling becomes the app's `autoscaling` block, which ServeConfig accepts
+    with every field the values name (and none when it is off)."""
+    from kvserve.deploy.config import ServeConfig
+
+    args = serve_config(rayservice(manifests(render(WORKER_AUTOSCALING))))["applications"][0][
+        "args"]
+    cfg = ServeConfig(**args)
+    assert cfg.autoscaling.model_dump() == {
+        "min_workers": 0, "max_workers": 4, "upscale_delay_s": 15, "downscale_delay_s": 300,
+        "downscale_to_zero_delay_s": 900, "max_step": 2, "upscale_kv_use": 0.9,
+        "downscale_kv_use": 0.5, "upscale_waiting": 5, "upscale_ttft_s": 2.5,
+        "ttft_window_s": 30, "max_queued_requests": 256, "queue_timeout_s": 300,
+        "drain_timeout_s": 600}
+    assert cfg.num_workers == 1 and cfg.router_config().autoscaling["enabled"] is True
+    with helm.Chart.load(CHART) as chart:
+        values = chart.values["serve"]["autoscaling"]
+    # the chart's defaults are ServeConfig's
+    from kvserve.deploy.autoscaling import AutoscalingSettings
+
+    camel = {"".join(w.capitalize() if i else w for i, w in enumerate(k.split("_"))): v
+             for k, v in AutoscalingSettings().model_dump().items()}
+    assert {k: v for k, v in values.items() if k != "enabled"} == camel
+    assert "autoscaling" not in serve_config(rayservice(manifests(render())))[
+        "applications"][0]["args"]
 
 
 def test_engine_schema_follows_engine_config():

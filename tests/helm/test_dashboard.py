@@ -40,7 +40,11 @@ ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retr
                   "ray_kvserve_migration_bytes_total", "ray_kvserve_migration_failures_total",
                   "ray_kvserve_migration_sessions_total", "ray_kvserve_worker_draining",
                   "ray_kvserve_stream_moves_total", "ray_kvserve_stream_move_stall_seconds",
-                  "ray_kvserve_stream_move_rounds", "ray_kvserve_disagg_handoffs_total",
+                  "ray_kvserve_stream_move_rounds", "ray_kvserve_autoscaler_desired_workers",
+                  "ray_kvserve_autoscaler_workers", "ray_kvserve_autoscaler_decisions_total",
+                  "ray_kvserve_autoscaler_cold_start_seconds",
+                  "ray_kvserve_autoscaler_pressure_to_serving_seconds",
+                  "ray_kvserve_autoscaler_queued_requests", "ray_kvserve_disagg_handoffs_total",
                   "ray_kvserve_disagg_handoff_seconds", "ray_kvserve_disagg_handoff_bytes",
                   "ray_kvserve_disagg_local_prefills_total"}
 EXPORTED = WORKER_METRICS | INGRESS_METRICS | ROUTER_METRICS
@@ -59,7 +63,7 @@ def test_dashboard_structure():
     assert variables["datasource"]["query"] == "prometheus"
     assert {"model", "worker"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Migration",
+    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Autoscaling", "Migration",
                     "Disaggregated serving", "Per-worker load", "Speculative decoding"]
     exprs = []
     for panel in dash["panels"]:

@@ -114,12 +114,16 @@ for the embedded default model. */}}
 {{- if and (gt (float64 .Values.serve.numGpusPerWorker) 0.0) (eq (int .Values.workerGroup.gpus) 0) }}
 {{- fail "serve.numGpusPerWorker > 0 needs GPU worker pods: set workerGroup.gpus (and a -gpu image tag)" }}
 {{- end }}
+{{- if and .Values.serve.autoscaling.enabled (or (gt (int .Values.serve.prefill.workers) 0) (gt (int .Values.serve.decode.workers) 0)) }}
+{{- fail "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined with serve.prefill.workers and serve.decode.workers: turn one of them off" }}
+{{- end }}
 {{- include "kvserve.validateRoles" . }}
 {{- $need := mulf (float64 .Values.serve.numWorkers) (float64 .Values.serve.numGpusPerWorker) }}
 {{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
 {{- if gt $need $have }}
 {{- fail (printf "serve.numWorkers x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
 {{- end }}
+{{- include "kvserve.validateAutoscaling" . }}
 {{- $tp := int .Values.serve.tensorParallelSize }}
 {{- $gpw := float64 .Values.serve.numGpusPerWorker }}
 {{- with .Values.serve.engine }}
@@ -147,6 +151,58 @@ for the embedded default model. */}}
 {{- fail "workerGroup.minReplicas must not exceed workerGroup.maxReplicas" }}
 {{- end }}
 {{- include "kvserve.validateTls" . }}
+{{- end }}
+
+{{/*
+kvserve's autoscaling: its bounds, and a worker group that can hold maxWorkers (pods Ray's
+autoscaler adds where the running ones cannot).
+*/}}
+{{- define "kvserve.validateAutoscaling" -}}
+{{- $a := .Values.serve.autoscaling }}
+{{- if $a.enabled }}
+{{- $lo := int $a.minWorkers }}
+{{- $hi := int $a.maxWorkers }}
+{{- if gt $lo $hi }}
+{{- fail (printf "serve.autoscaling.minWorkers (%d) must not exceed serve.autoscaling.maxWorkers (%d)" $lo $hi) }}
+{{- end }}
+{{- $n := int .Values.serve.numWorkers }}
+{{- if or (lt $n (max 1 $lo)) (gt $n $hi) }}
+{{- fail (printf "serve.numWorkers (%d) is where autoscaling starts: it must be within [max(1, serve.autoscaling.minWorkers), serve.autoscaling.maxWorkers] = [%d, %d]" $n (max 1 $lo) $hi) }}
+{{- end }}
+{{- if not (lt (float64 $a.downscaleKvUse) (float64 $a.upscaleKvUse)) }}
+{{- fail "serve.autoscaling.downscaleKvUse must be below serve.autoscaling.upscaleKvUse" }}
+{{- end }}
+{{- /* workers one worker pod holds: by GPUs, else by the CPUs Ray sees in the pod */}}
+{{- $perPod := 0 }}
+{{- $by := "" }}
+{{- $gpw := float64 .Values.serve.numGpusPerWorker }}
+{{- $cpw := float64 .Values.serve.numCpusPerWorker }}
+{{- if gt $gpw 0.0 }}
+{{- $perPod = int (floor (divf (float64 .Values.workerGroup.gpus) $gpw)) }}
+{{- $by = "workerGroup.gpus / serve.numGpusPerWorker" }}
+{{- else if gt $cpw 0.0 }}
+{{- $cpu := toString (index .Values.workerGroup.rayStartParams "num-cpus" | default (.Values.workerGroup.resources.limits | default dict).cpu | default (.Values.workerGroup.resources.requests | default dict).cpu | default "0") }}
+{{- $cores := 0.0 }}
+{{- if hasSuffix "m" $cpu }}
+{{- $cores = divf (float64 (trimSuffix "m" $cpu)) 1000.0 }}
+{{- else }}
+{{- $cores = float64 $cpu }}
+{{- end }}
+{{- $perPod = int (floor (addf (divf $cores $cpw) 0.000001)) }}
+{{- $by = "the pod's CPUs / serve.numCpusPerWorker" }}
+{{- end }}
+{{- if gt $perPod 0 }}
+{{- $pods := int (ceil (divf (float64 $hi) (float64 $perPod))) }}
+{{- if lt (int .Values.workerGroup.maxReplicas) $pods }}
+{{- fail (printf "serve.autoscaling.maxWorkers %d needs %d worker pods (%d per pod: %s), but workerGroup.maxReplicas is %d" $hi $pods $perPod $by (int .Values.workerGroup.maxReplicas)) }}
+{{- end }}
+{{- if and (not .Values.autoscaling.enabled) (lt (int .Values.workerGroup.replicas) $pods) }}
+{{- fail (printf "serve.autoscaling.maxWorkers %d needs %d worker pods (%d per pod: %s), and workerGroup.replicas starts %d: turn on autoscaling.enabled (Ray's autoscaler adds the pods the workers wait for) or raise workerGroup.replicas" $hi $pods $perPod $by (int .Values.workerGroup.replicas)) }}
+{{- end }}
+{{- else if gt $gpw 0.0 }}
+{{- fail (printf "a worker pod holds no worker: workerGroup.gpus %d < serve.numGpusPerWorker %v" (int .Values.workerGroup.gpus) .Values.serve.numGpusPerWorker) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Prefill and decode worker values that cannot work together fail the render. */}}
@@ -400,6 +456,18 @@ livenessProbe:
   "disagg_local_prefix_share" $s.disagg.localPrefixShare
   "disagg_failure_policy" $s.disagg.failurePolicy
 }}
+{{- with $s.autoscaling }}
+{{- if .enabled }}
+{{- $_ := set $args "autoscaling" (dict
+  "min_workers" .minWorkers "max_workers" .maxWorkers
+  "upscale_delay_s" .upscaleDelayS "downscale_delay_s" .downscaleDelayS
+  "downscale_to_zero_delay_s" .downscaleToZeroDelayS "max_step" .maxStep
+  "upscale_kv_use" .upscaleKvUse "downscale_kv_use" .downscaleKvUse
+  "upscale_waiting" .upscaleWaiting "upscale_ttft_s" .upscaleTtftS
+  "ttft_window_s" .ttftWindowS "max_queued_requests" .maxQueuedRequests
+  "queue_timeout_s" .queueTimeoutS "drain_timeout_s" .drainTimeoutS) }}
+{{- end }}
+{{- end }}
 {{- $lora := $s.lora | default dict }}
 {{- if or $lora.enabled $lora.adapters }}
 {{- $_ := set $args "enable_lora" true }}
