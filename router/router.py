@@ -371,6 +371,15 @@ class RouterActor:
     def workers_with_epoch(self) -> tuple[str, list[Any]]:
         return self.epoch, list(self.handles)
 
+    def stop_workers(self) -> int:
+        """Stop every worker for good and free the tensor-parallel workers' placement groups
+        (called before this router is killed: Ray removes those groups with a detached
+        router, but a router some driver owns would leave them holding their CPUs and GPUs
+        until that driver ends). Returns how many workers there were."""
+        for h in self.handles:
+            stop_worker(h)
+        return len(self.handles)
+
     # ---- routing ----------------------------------------------------------------------------
     async def pick(
         self, block_hashes: list[int], session_id: str | None, exclude: list[int],

@@ -320,18 +320,37 @@ def _dead(actor: Any) -> bool:
 
 def _take_free_cpus() -> list[Any]:
     """Ballast actors holding every CPU of the session's Ray that is free, until none has
-    been for a second (a drained worker's CPU comes back a little after its drain)."""
+    been for a second (a drained worker's CPU comes back a little after its drain).
+
+    Ray's view of free resources lags what actors hold: a ballast sized from a stale view
+    may not fit, so one not placed within seconds is killed and the view read again; on any
+    failure the ballast made so far is killed (it would starve the tests after this one)."""
     ballast: list[Any] = []
-    quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < 1.0:
-        assert len(ballast) < 20, "CPUs keep coming free"
-        free = ray.available_resources().get("CPU", 0.0)
-        if free >= 0.01:  # (a worker takes 0.5)
-            b = Ballast.options(num_cpus=free).remote()
-            ray.get(b.ping.remote(), timeout=WAIT_S)
-            ballast.append(b)
-            quiet_since = time.monotonic()
-        time.sleep(0.1)
+    try:
+        quiet_since = time.monotonic()
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() - quiet_since < 1.0:
+            assert time.monotonic() < deadline, "the free CPUs could not be taken"
+            free = ray.available_resources().get("CPU", 0.0)
+            if free >= 0.01:  # (a worker takes 0.5)
+                b = Ballast.options(num_cpus=free).remote()
+                try:
+                    ray.get(b.ping.remote(), timeout=30)
+                except ray.exceptions.GetTimeoutError:  # the view was stale: it did not fit
+                    ray.kill(b)
+                else:
+                    ballast.append(b)
+                    # the next read must see this one's CPUs taken (bounded: more may free)
+                    until = time.monotonic() + 10
+                    while (ray.available_resources().get("CPU", 0.0) > free - 0.005
+                           and time.monotonic() < until):
+                        time.sleep(0.05)
+                quiet_since = time.monotonic()
+            time.sleep(0.1)
+    except BaseException:
+        for b in ballast:
+            ray.kill(b)
+        raise
     return ballast
 
 
