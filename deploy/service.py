@@ -74,7 +74,8 @@ class Result:
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig, router: Any = None) -> None:
+    def __init__(self, cfg: ServeConfig, router: Any = None,
+                 placement_checked: bool = False) -> None:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
@@ -82,8 +83,8 @@ class Service:
         self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         # the call format of the model's template (tool_choice auto)
         self.tool_parser = for_template(self.tokenizer.chat_template, marker_tokens(self.tokenizer))
-        if router is None:  # workers no node can ever hold fail here, not in a silent wait
-            check_placement(cfg)
+        if router is None and not placement_checked:
+            check_placement(cfg)  # workers no node can ever hold fail here, not in a silent wait
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
