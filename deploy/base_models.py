@@ -17,11 +17,13 @@ from kvserve.deploy.service import Service
 
 
 class BaseModels:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, services: list[Service] | None = None) -> None:
         self.cfg = cfg
-        # every model's workers together must fit the nodes; checked once, before any loads
-        check_placement(cfg)
-        self.services = [Service(c, placement_checked=True) for c in cfg.per_model()]
+        if services is None:
+            # every model's workers together must fit the nodes: checked once, before loads
+            check_placement(cfg)
+            services = [Service(c, placement_checked=True) for c in cfg.per_model()]
+        self.services = services
         self.primary = self.services[0]
 
     async def start(self) -> None:
