@@ -8,23 +8,46 @@ A service of one model is the Service alone, with its names unchanged.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from typing import Any
 
-from kvserve.deploy.config import ServeConfig
+from kvserve.deploy.config import ServeConfig, model_router_name
 from kvserve.deploy.errors import ServiceError
 from kvserve.deploy.placement import check_placement
 from kvserve.deploy.service import Service
+from kvserve.router.lifecycle import kill_router
+from kvserve.router.router import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+
+def stale_model_routers(router_name: str, further: int) -> list[str]:
+    """Routers named as further models of this app beyond the `further` it has now."""
+    from ray.util import list_named_actors
+
+    pattern = re.compile(re.escape(model_router_name(router_name, 0)).replace("model0",
+                                                                              r"model(\d+)"))
+    return sorted(a["name"] for a in list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and (m := pattern.fullmatch(a["name"]))
+                  and int(m.group(1)) > further)
 
 
 class BaseModels:
     def __init__(self, cfg: ServeConfig, services: list[Service] | None = None) -> None:
+        """One Service per base model of `cfg` (`services`: those, made elsewhere)."""
         self.cfg = cfg
         if services is None:
             # every model's workers together must fit the nodes: checked once, before loads
             check_placement(cfg)
             services = [Service(c, placement_checked=True) for c in cfg.per_model()]
+            # routers of models a former deployment of this app had beyond these (detached:
+            # nothing else would stop them and their workers)
+            for name in stale_model_routers(cfg.router_name, len(cfg.models)):
+                log.warning("kvserve: stopping router %s: its model is no longer served", name)
+                kill_router(name)
         self.services = services
-        self.primary = self.services[0]
+        self.primary = services[0]
 
     async def start(self) -> None:
         await asyncio.gather(*(s.start() for s in self.services))

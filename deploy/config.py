@@ -23,6 +23,12 @@ DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 16
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_HTTP_HOST = 9000, 8000, "127.0.0.1"
 
 
+def model_router_name(router_name: str, n: int) -> str:
+    """The router of the n-th further base model (n >= 1) of the app whose first model's
+    router is `router_name`."""
+    return f"{router_name.removesuffix('-router')}-model{n}-router"
+
+
 class ModelEntry(BaseModel):
     """A further base model served beside `model`, with its own workers and router."""
 
@@ -476,11 +482,11 @@ class ServeConfig(BaseModel):
 
     def _split(self) -> list[ServeConfig]:
         first = self.model_copy(update={"models": []})
-        base = self.router_name.removesuffix("-router")
         return [first, *(self.model_copy(update={
             "models": [], "model": m.model, "served_model_name": m.served_model_name,
             "num_workers": m.num_workers or self.num_workers,
-            "router_name": f"{base}-model{i}-router", "loras": {}, "enable_lora": False})
+            "router_name": model_router_name(self.router_name, i),
+            "loras": {}, "enable_lora": False})
             for i, m in enumerate(self.models, 1))]
 
     def router_names(self) -> list[str]:

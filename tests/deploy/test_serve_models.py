@@ -159,3 +159,26 @@ def test_requests_are_routed_by_model_over_http(serve_app, models_app, want, tin
     status, health = _http(serve_app, "/health")
     assert status == 200 and health == {"status": "ok", "workers_alive": 2,
                                         "models": {base: 1, TINY: 1}}
+
+
+def test_a_redeploy_without_a_model_stops_its_router(serve_app, models_app, want):
+    """The app redeployed with its first model only: the other model's router (detached)
+    and its worker are stopped, and the first model serves on."""
+    from ray import serve
+
+    from kvserve.router.lifecycle import find_router, worker_names
+
+    dropped = models_app.router_names()[1]
+    assert find_router(dropped) is not None
+    one = models_app.model_copy(update={"models": []})
+    serve.run(build_app(one), name=APP, route_prefix=f"/{APP}")
+    assert find_router(dropped) is None and worker_names(dropped) == []
+    status, models = _http(serve_app, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [one.model_name()]
+    status, r = _http(serve_app, "/v1/completions", {"model": TINY, "prompt": PROMPT})
+    assert status == 404, r
+    ch, kv, md = _stub(serve_app)
+    with ch:
+        r = kv.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(
+            temperature=0, max_tokens=N, ignore_eos=True)), metadata=md, timeout=300)
+    assert list(r.token_ids) == want["base"]
