@@ -28,7 +28,7 @@ from kvserve.protos import kvserve_pb2 as pb
 from kvserve.protos import kvserve_pb2_grpc
 from kvserve.router.router import NAMESPACE
 
-pytestmark = pytest.mark.slow  # an app of its own with two models: ~1 min
+pytestmark = pytest.mark.slow  # an app of its own with two models, then one: ~3 min
 
 APP = "kvserve-models"
 ROUTER = "kvserve-models-router"
