@@ -48,6 +48,8 @@ class BaseModels:
                 kill_router(name)
         self.services = services
         self.primary = services[0]
+        for s in services:
+            s.other_models = frozenset(x.model_name for x in services if x is not s)
 
     async def start(self) -> None:
         await asyncio.gather(*(s.start() for s in self.services))

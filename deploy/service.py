@@ -102,6 +102,8 @@ class Service:
         self.stopping: str | None = None
         # LoRA adapters by name, as the router last listed them (their KV hash roots)
         self.loras: dict[str, dict[str, Any]] = {}
+        # the other base models' names, where a service serves several: no adapter takes one
+        self.other_models: frozenset[str] = frozenset()
 
     async def start(self) -> None:
         info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
@@ -164,9 +166,9 @@ class Service:
         """Load a LoRA adapter on every worker (all or none); ServiceError "invalid" for a
         bad adapter or name."""
         if not name or not isinstance(name, str) or ":" in name or name in (
-                self.model_name, "default"):
+                self.model_name, "default", *self.other_models):
             raise ServiceError("invalid", f"lora_name {name!r}: a LoRA adapter needs a name "
-                                          "other than the base model's, without ':'")
+                                          "other than the base models', without ':'")
         if not path:
             raise ServiceError("invalid", "lora_path is required")
         res = await self._router_call("load_lora", name, path)

@@ -29,7 +29,7 @@ class _Router:
 def _service(cfg: ServeConfig, loras: list[str]) -> Service:
     svc = Service.__new__(Service)  # no tokenizer, no router: only the naming is used here
     svc.cfg, svc.model_name, svc.router = cfg, cfg.model_name(), _Router(loras)
-    svc.loras, svc.max_model_len = {}, 512
+    svc.loras, svc.max_model_len, svc.other_models = {}, 512, frozenset()
     return svc
 
 
@@ -65,3 +65,11 @@ def test_listing_shows_every_model_with_its_adapters(models):
     asyncio.run(models.refresh_models())
     assert [(m["id"], m["parent"]) for m in models.models()] == [
         ("org/a", None), ("sql", "org/a"), ("b", None)]
+
+
+def test_an_adapter_cannot_take_another_base_models_name(models):
+    a, _ = models.services
+    for name in ("b", "org/a", "default", "x:y"):
+        with pytest.raises(ServiceError) as err:
+            asyncio.run(a.load_lora(name, "/adapters/x"))
+        assert err.value.kind == "invalid" and "other than the base models'" in err.value.message
