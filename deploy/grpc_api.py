@@ -12,7 +12,7 @@ from typing import Any
 
 from kvserve.deploy import admin, metrics
 from kvserve.deploy.base_models import BaseModels
-from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.errors import ServiceError, for_model
 from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
 from kvserve.deploy.service import GenRequest, Service
 from kvserve.deploy.slots import Leases
@@ -222,6 +222,11 @@ class GrpcFrontend:
         """The model's Service, the request, and its tools when its answer may hold calls."""
         self._authed(ctx)
         svc, lora = await _check_model(self.models, request)
+        with for_model(svc.model_name):
+            return svc, *self._build(svc, lora, request, chat)
+
+    def _build(self, svc: Service, lora: str | None, request: Any,
+               chat: bool) -> tuple[GenRequest, ToolPlan | None]:
         if (size := request.ByteSize()) > svc.cfg.max_request_bytes:
             raise ServiceError("too_large", f"request message has {size} bytes; the server's "
                                             f"limit is {svc.cfg.max_request_bytes} (max_request_bytes)")
@@ -239,13 +244,14 @@ class GrpcFrontend:
         session = request.session_id if request.HasField("session_id") else None
         req = svc.build(ids, sampling, session, request.request_id or None, default_max_tokens=16,
                         lora=lora)
-        return svc, req, plan if plan is not None and plan.returns_calls else None
+        return req, plan if plan is not None and plan.returns_calls else None
 
     async def _unary(self, request: Any, ctx: Any, chat: bool) -> pb.GenerateResponse:
         leases = Leases()  # the request's router slots, released however the call ends
         try:
             svc, req, plan = await self._gen_request(request, ctx, chat)
-            r = await svc.complete(req, leases)
+            with for_model(svc.model_name):
+                r = await svc.complete(req, leases)
         except ServiceError as e:
             raise _fail(ctx, e) from None
         finally:
@@ -270,9 +276,10 @@ class GrpcFrontend:
         try:
             svc, req, plan = await self._gen_request(request, ctx, chat)
             tools = None if plan is None else ToolStream(plan.forced, svc.tool_parser)
-            async with aclosing(svc.stream(req, leases)) as chunks:
-                async for c in chunks:
-                    yield _stream_response(svc, req, c, tools)
+            with for_model(svc.model_name):
+                async with aclosing(svc.stream(req, leases)) as chunks:
+                    async for c in chunks:
+                        yield _stream_response(svc, req, c, tools)
         except ServiceError as e:
             raise _fail(ctx, e) from None
         finally:

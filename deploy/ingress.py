@@ -15,7 +15,7 @@ from kvserve.deploy import admin, auth, grafana, limits, metrics
 from kvserve.deploy import openai_api as oa
 from kvserve.deploy.base_models import BaseModels
 from kvserve.deploy.config import ServeConfig
-from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.errors import ServiceError, for_model
 from kvserve.deploy.grpc_api import GrpcFrontend
 from kvserve.deploy.proxy_options import check_proxies
 from kvserve.deploy.service import Service
@@ -70,7 +70,8 @@ class KVServeIngress(GrpcFrontend):
         self.models = BaseModels(cfg)
         self.service: Service = self.models.primary
         auth.set_keys(self.service.api_keys)
-        metrics.start(self.service.model_name)
+        metrics.start(self.service.model_name,
+                      tuple(s.model_name for s in self.models.services[1:]))
         limits.set_max_request_bytes(self.service.cfg.max_request_bytes)
         await self.models.start()
         # Serve's graceful shutdown waits for requests in flight; this ends those still
@@ -111,14 +112,16 @@ class KVServeIngress(GrpcFrontend):
     @app.post("/v1/completions")
     async def completions(self, body: oa.CompletionRequest) -> Any:
         svc, lora = await self.models.pick(body.model)
-        req = oa.completion_request(svc, body, lora)
-        return await oa.respond(svc, req, body, "completion")
+        with for_model(svc.model_name):
+            req = oa.completion_request(svc, body, lora)
+            return await oa.respond(svc, req, body, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: oa.ChatRequest) -> Any:
         svc, lora = await self.models.pick(body.model)
-        req = oa.chat_request(svc, body, lora)
-        return await oa.respond(svc, req, body, "chat")
+        with for_model(svc.model_name):
+            req = oa.chat_request(svc, body, lora)
+            return await oa.respond(svc, req, body, "chat")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, body: oa.LoadLoraRequest) -> PlainTextResponse:

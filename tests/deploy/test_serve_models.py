@@ -6,11 +6,14 @@ each, each under its own router.
 A request's `model` picks the base model (none: the first); each answers with the greedy
 tokens of kvserve's offline engine on that model alone, over gRPC and HTTP. ListModels,
 /v1/models, GetServerInfo, /v1/server_info and /health show both models with their
-workers; an unknown model is NOT_FOUND / 404, naming the models served."""
+workers; an unknown model is NOT_FOUND / 404, naming the models served, and a request a
+model refuses is counted as that model's rejection. A redeploy without the second model
+stops its router."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -91,6 +94,23 @@ def _http(serve_app, path: str, body: dict | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _rejected(serve_app, model: str) -> float:
+    """ray_kvserve_requests_rejected_total{model, reason="invalid"} as Ray exports it now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{serve_app.metrics_port}/metrics",
+                                timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("ray_kvserve_requests_rejected_total{")
+               and f'model="{model}"' in line and 'reason="invalid"' in line)
+
+
+def _wait_for(cond: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(0.5)
+
+
 def test_requests_are_routed_by_model_over_grpc(serve_app, models_app, want):
     base = models_app.model_name()
     sampling = pb.SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -153,6 +173,11 @@ def test_requests_are_routed_by_model_over_http(serve_app, models_app, want, tin
     assert status == 200 and r["model"] == TINY, r
     status, r = _http(serve_app, "/v1/completions", {"model": "nope", "prompt": PROMPT})
     assert status == 404 and TINY in r["error"]["message"], r
+    # a request the second model refuses is its rejection (the dashboard's `model`)
+    status, r = _http(serve_app, "/v1/completions", {"model": TINY, "prompt": PROMPT,
+                                                     "max_tokens": 100000})
+    assert status == 400 and "max_model_len" in r["error"]["message"], r
+    _wait_for(lambda: _rejected(serve_app, TINY) >= 1, "the rejection's series")
     status, info = _http(serve_app, "/v1/server_info")
     assert status == 200 and [m["model"] for m in info["models"]] == [base, TINY]
     assert all(len(m["workers"]) == 1 for m in info["models"])
