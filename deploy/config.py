@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvserve.config import EngineConfig
 from kvserve.deploy.autoscaling import AutoscalingSettings
@@ -23,6 +23,39 @@ DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 16
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_HTTP_HOST = 9000, 8000, "127.0.0.1"
 
 
+def model_router_name(router_name: str, n: int) -> str:
+    """The router of the n-th further base model (n >= 1) of the app whose first model's
+    router is `router_name`."""
+    return f"{router_name.removesuffix('-router')}-model{n}-router"
+
+
+class ModelEntry(BaseModel):
+    """A further base model served beside `model`, with its own workers and router."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(min_length=1, description="as ServeConfig.model")
+    served_model_name: str | None = Field(None, description="as ServeConfig.served_model_name")
+    num_workers: int | None = Field(
+        None, ge=1, description="its mixed workers; None = ServeConfig.num_workers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        # the chart's and the CLI's short form: just the model; `workers` as in the chart
+        if isinstance(data, str):
+            return {"model": data}
+        if isinstance(data, dict) and "workers" in data:
+            data = {k: v for k, v in data.items() if k != "workers"} | \
+                {"num_workers": data["workers"]}
+        return data
+
+    def name(self) -> str:
+        from kvserve.models import served_name
+
+        return self.served_model_name or served_name(self.model)
+
+
 class ServeConfig(BaseModel):
     """Model, workers, engine and KV sizes, ports, API keys and overload limits."""
 
@@ -33,6 +66,13 @@ class ServeConfig(BaseModel):
     model: str | None = Field(
         None, description="GGUF file, HF directory, or Hub name (org/name[@rev], "
                           "org/name:file.gguf[@rev]); None = default model",
+    )
+    models: list[ModelEntry] = Field(
+        default_factory=list,
+        description="further base models served beside `model`, each with its own workers "
+                    "(num_workers unless the entry sets its own) and router; requests name "
+                    "one in `model`. A list given as `model` (--model more than once) is "
+                    "split into `model` (the first) and these",
     )
     served_model_name: str | None = Field(
         None, description="name clients pass as `model`; default = the model file's stem, or "
@@ -200,6 +240,34 @@ class ServeConfig(BaseModel):
         60.0, gt=0, description="a decode worker's reservation, or a prefill worker's held "
                                 "stream, that nobody renews or sends for this long is freed")
 
+    # the workers of every base model (set on each of per_model's configs): a worker's CPU
+    # threads default to the node's cores divided by them
+    _cpu_share_workers: int = PrivateAttr(0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_list(cls, data: Any) -> Any:
+        # `--model` given more than once, or a list in a config: the first is `model`, the
+        # others are served beside it (`models`)
+        if not isinstance(data, dict) or not isinstance(data.get("model"), (list, tuple)):
+            return data
+        given = [ModelEntry.model_validate(m) for m in data["model"]]
+        data = {**data, "model": None}
+        if not given:
+            return data
+        first, rest = given[0], given[1:]
+        data["model"] = first.model
+        for key in ("served_model_name", "num_workers"):
+            value = getattr(first, key)
+            if value is None:
+                continue
+            if data.get(key) is not None and data[key] != value:
+                raise ValueError(f"the first model's {key} ({value}) differs from {key} "
+                                 f"({data[key]}); set it once")
+            data[key] = value
+        data["models"] = [*rest, *(data.get("models") or [])]
+        return data
+
     @model_validator(mode="before")
     @classmethod
     def _no_mixed_with_roles(cls, data: Any) -> Any:
@@ -358,25 +426,72 @@ class ServeConfig(BaseModel):
         return self
 
     def most_workers(self) -> int:
-        """The most workers this app may run at once (the placement check's demand)."""
-        return max(self.num_workers, self.autoscaling.max_workers if self.autoscaling else 0)
+        """The most workers this app may run at once (the placement check's demand), those
+        of every base model together."""
+        return max(self.num_workers, self.autoscaling.max_workers if self.autoscaling else 0) \
+            + sum(m.num_workers or self.num_workers for m in self.models)
 
     @property
     def tls(self) -> bool:
         """Whether both APIs serve TLS."""
         return bool(self.ssl_certfile)
 
-    @field_validator("model", mode="before")
-    @classmethod
-    def _one_model(cls, v: Any) -> Any:
-        # `--model` given more than once, or a list in a config: one base model per service
-        if isinstance(v, (list, tuple)):
-            if len(v) > 1:
-                raise ValueError(
-                    f"{len(v)} base models given ({', '.join(map(str, v))}); a service serves "
-                    "one base model (with its LoRA adapters): deploy one service per base model")
-            v = v[0] if v else None
-        return v
+    @model_validator(mode="after")
+    def _check_models(self) -> ServeConfig:
+        if not self.models:
+            return self
+        # what works per model today: a fixed pool of mixed workers each, LoRA adapters
+        # on the first model; anything else is refused rather than half applied
+        for what, given in (
+                ("prefill_workers and decode_workers (--prefill-workers, --decode-workers)",
+                 self.disaggregated),
+                ("autoscaling (--min-workers, --max-workers)", self.autoscaling is not None),
+                ("speculative_config (--speculative-config)",
+                 self.speculative_config is not None
+                 or self.engine.get("speculative_config") is not None)):
+            if given:
+                raise ValueError(f"{what} cannot be combined with several base models "
+                                 f"({', '.join(self.model_names())}) yet: serve one base "
+                                 "model per service for it")
+        names = self.model_names()
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"base model name(s) {', '.join(map(repr, twice))} served twice: "
+                             "give each model its own served_model_name")
+        clash = sorted(set(names) & set(self.loras))
+        if clash:
+            raise ValueError(f"LoRA adapter name(s) {', '.join(map(repr, clash))} are base "
+                             "model names")
+        return self
+
+    def model_names(self) -> list[str]:
+        """The served name of every base model, the first (`model`) first."""
+        return [self.model_name(), *(m.name() for m in self.models)]
+
+    def per_model(self) -> list[ServeConfig]:
+        """One configuration per base model, each with one model, its workers and its
+        router. The first keeps this config's names (router, workers), so a service of
+        one model is the same with or without this split; the others' routers are named
+        after their index. LoRA adapters belong to the first model."""
+        if not self.models:
+            return [self]
+        out = self._split()
+        for c in out:  # their workers share the nodes' cores
+            c._cpu_share_workers = sum(x.num_workers for x in out)
+        return out
+
+    def _split(self) -> list[ServeConfig]:
+        first = self.model_copy(update={"models": []})
+        return [first, *(self.model_copy(update={
+            "models": [], "model": m.model, "served_model_name": m.served_model_name,
+            "num_workers": m.num_workers or self.num_workers,
+            "router_name": model_router_name(self.router_name, i),
+            "loras": {}, "enable_lora": False})
+            for i, m in enumerate(self.models, 1))]
+
+    def router_names(self) -> list[str]:
+        """Every base model's router, the first model's first."""
+        return [c.router_name for c in self.per_model()]
 
     @field_validator("engine")
     @classmethod
@@ -448,6 +563,7 @@ class ServeConfig(BaseModel):
                     "failure_policy": self.disagg_failure_policy,
                     "lease_s": self.disagg_lease_s,
                     "growth_tokens": self.live_move_growth_tokens},
+            cpu_share_workers=self._cpu_share_workers,
         )
 
     def engine_config(self) -> EngineConfig:

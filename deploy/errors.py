@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
 
 
@@ -30,6 +33,9 @@ class ServiceError(Exception):
         # Retry-After (Serve's gRPC proxy sends no trailing metadata with an error status, so
         # on gRPC the message names it); set where the request already waited
         self.retry_after = retry_after
+        # the base model whose request it answers (its rejection's `model` tag); None: the
+        # service's first model
+        self.model: str | None = None
 
     def __reduce__(self) -> tuple:  # picklable: Ray ships it from the replica to the proxy
         return (ServiceError, (self.kind, self.message, self.retry_after))
@@ -48,3 +54,14 @@ class ServiceError(Exception):
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.KINDS[self.kind][2],
                           "code": self.http_status}}
+
+
+@contextmanager
+def for_model(model: str) -> Iterator[None]:
+    """ServiceErrors raised in the block answer a request to `model` (metrics tag them so)."""
+    try:
+        yield
+    except ServiceError as e:
+        if e.model is None:
+            e.model = model
+        raise

@@ -195,7 +195,8 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
         serve.shutdown()
         if ray.is_initialized():
             # detached: it would outlive Serve (and keep its workers' memory)
-            kill_router(cfg.router_name)
+            for name in cfg.router_names():
+                kill_router(name)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -240,7 +241,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
             with signals.kept():
                 own = start_ray(cfg, ray_init, ray_host)
             check_placement(cfg, own_ray=own)  # before any model loads
-            print(f"kvserve: deploying {cfg.model_name()} on {_workers(cfg)} "
+            print(f"kvserve: deploying {', '.join(cfg.model_names())} on {_workers(cfg)} "
                   "(the model loads) ...", flush=True)
             ep, shown = _deploy_showing_states(cfg)
             _print_banner(cfg, ep, shown.not_ready())
@@ -300,6 +301,10 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     from kvserve.workers.loading.sharding import check_tensor_parallel
     from kvserve.workers.model.runner import context_limit
 
+    if cfg.models:  # each base model on its own
+        for c in cfg.per_model():
+            _resolve_tokenizer(c)
+        return
     path = resolve_model(cfg.model, tokenizer_only=True)
     try:
         model_config = read_model_config(path)
@@ -336,7 +341,8 @@ def _check_adapters(cfg: ServeConfig, model_config: Any) -> None:
 def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:
     """deploy_app, printing each worker's start-up state as it changes. Returns the states
     as the app came up (it may serve while workers still wait for resources)."""
-    shown = StartupStates(cfg.router_name)
+    shown = StartupStates(cfg.router_name if not cfg.models else
+                          [(c.model_name(), c.router_name) for c in cfg.per_model()])
     shown.start()
     try:
         ep = deploy_app(cfg)
@@ -396,12 +402,12 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
 
     ray_ep = ray_endpoints()
     context = _served_context(cfg)
-    n = cfg.total_workers
+    n = sum(c.total_workers for c in cfg.per_model())
     serving = f"{n - len(not_ready)} of {_workers(cfg)}" if not_ready else _workers(cfg)
     a = cfg.autoscaling
     scaling = (f", autoscaling {a.min_workers}..{a.max_workers} (delays: up "
                f"{a.upscale_delay_s:g} s, down {a.downscale_delay_s:g} s)" if a else "")
-    print(f"kvserve: serving {cfg.model_name()} on {serving}{scaling}"
+    print(f"kvserve: serving {', '.join(cfg.model_names())} on {serving}{scaling}"
           + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
     for worker, state in not_ready.items():
         print(f"  {worker:<10} {state}")
@@ -430,6 +436,10 @@ def _workers(cfg: ServeConfig) -> str:
     """"2 worker(s)", or "1 prefill + 2 decode worker(s)"."""
     if cfg.disaggregated:
         return f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+    if cfg.models:  # "3 worker(s) (2 for a, 1 for b)"
+        each = [(c.num_workers, c.model_name()) for c in cfg.per_model()]
+        return (f"{sum(n for n, _ in each)} worker(s) ("
+                + ", ".join(f"{n} for {m}" for n, m in each) + ")")
     return f"{cfg.num_workers} worker(s)"
 
 
@@ -486,11 +496,13 @@ def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
     from kvserve.models import MODEL_HELP
 
-    # appended so a second --model is refused (ServeConfig), never silently the last one
+    # appended: each --model is one more base model (ServeConfig splits the list)
     s.add_argument("--model", action="append", default=None,
-                   help=f"{MODEL_HELP}; one per service")
+                   help=f"{MODEL_HELP}; repeat it to serve several base models, each with "
+                        "its own --workers workers, requests routed by `model` (the first "
+                        "is the default)")
     s.add_argument("--workers", type=int, default=None,
-                   help="worker actors (one engine each; default 1, or none with "
+                   help="worker actors per base model (one engine each; default 1, or none with "
                         "--prefill-workers and --decode-workers); with autoscaling, the "
                         "workers it starts with (default: max(1, --min-workers))")
     s.add_argument("--gpus-per-worker", type=float, default=None,

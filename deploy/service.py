@@ -74,7 +74,8 @@ class Result:
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig, router: Any = None) -> None:
+    def __init__(self, cfg: ServeConfig, router: Any = None,
+                 placement_checked: bool = False) -> None:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
@@ -82,8 +83,8 @@ class Service:
         self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         # the call format of the model's template (tool_choice auto)
         self.tool_parser = for_template(self.tokenizer.chat_template, marker_tokens(self.tokenizer))
-        if router is None:  # workers no node can ever hold fail here, not in a silent wait
-            check_placement(cfg)
+        if router is None and not placement_checked:
+            check_placement(cfg)  # workers no node can ever hold fail here, not in a silent wait
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
@@ -101,6 +102,8 @@ class Service:
         self.stopping: str | None = None
         # LoRA adapters by name, as the router last listed them (their KV hash roots)
         self.loras: dict[str, dict[str, Any]] = {}
+        # the other base models' names, where a service serves several: no adapter takes one
+        self.other_models: frozenset[str] = frozenset()
 
     async def start(self) -> None:
         info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
@@ -163,9 +166,9 @@ class Service:
         """Load a LoRA adapter on every worker (all or none); ServiceError "invalid" for a
         bad adapter or name."""
         if not name or not isinstance(name, str) or ":" in name or name in (
-                self.model_name, "default"):
+                self.model_name, "default", *self.other_models):
             raise ServiceError("invalid", f"lora_name {name!r}: a LoRA adapter needs a name "
-                                          "other than the base model's, without ':'")
+                                          "other than the base models', without ':'")
         if not path:
             raise ServiceError("invalid", "lora_path is required")
         res = await self._router_call("load_lora", name, path)

@@ -411,7 +411,7 @@ class StreamInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url", "max_model_len", "autoscaling")
+    __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url", "max_model_len", "autoscaling", "models")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +420,7 @@ class GetServerInfoResponse(_message.Message):
     DASHBOARD_URL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALING_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     version: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -428,7 +429,26 @@ class GetServerInfoResponse(_message.Message):
     dashboard_url: str
     max_model_len: int
     autoscaling: AutoscalingInfo
-    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., metrics_port: _Optional[int] = ..., dashboard_url: _Optional[str] = ..., max_model_len: _Optional[int] = ..., autoscaling: _Optional[_Union[AutoscalingInfo, _Mapping]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelServerInfo]
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., metrics_port: _Optional[int] = ..., dashboard_url: _Optional[str] = ..., max_model_len: _Optional[int] = ..., autoscaling: _Optional[_Union[AutoscalingInfo, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelServerInfo, _Mapping]]] = ...) -> None: ...
+
+class ModelServerInfo(_message.Message):
+    __slots__ = ("model", "root", "max_model_len", "routing_policy", "workers", "autoscaling", "loras")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALING_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    root: str
+    max_model_len: int
+    routing_policy: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    autoscaling: AutoscalingInfo
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., root: _Optional[str] = ..., max_model_len: _Optional[int] = ..., routing_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., autoscaling: _Optional[_Union[AutoscalingInfo, _Mapping]] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AutoscalingInfo(_message.Message):
     __slots__ = ("enabled", "min_workers", "max_workers", "desired_workers", "serving_workers", "starting_workers", "draining_workers", "queued_requests", "reason", "detail", "pending_direction", "pending_in_s", "signals", "decisions", "cold_starts", "upscale_delay_s", "downscale_delay_s")

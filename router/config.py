@@ -36,6 +36,9 @@ class RouterConfig:
     role_engine: dict[str, dict[str, Any]] = field(default_factory=dict)
     role_gpus: dict[str, float] = field(default_factory=dict)
     disagg: dict[str, Any] = field(default_factory=dict)
+    # workers of every base model of the service (several models: their routers' workers
+    # share the node's CPU cores); 0 = this router's own
+    cpu_share_workers: int = 0
 
     def role_of(self, idx: int) -> str:
         return self.roles[idx] if idx < len(self.roles) else "mixed"
@@ -54,7 +57,8 @@ class RouterConfig:
         # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1); an
         # autoscaled pool shares the cores as its largest size would
         if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
-            most = max(self.num_workers, int(self.autoscaling.get("max_workers", 0)))
+            most = max(self.num_workers, int(self.autoscaling.get("max_workers", 0)),
+                       self.cpu_share_workers)
             engine["num_threads"] = max(1, node_cores // most)
         return engine
 

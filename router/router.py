@@ -71,7 +71,8 @@ class RouterActor:
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
         self.states = [WorkerState() for _ in self.views]
         self.sessions: OrderedDict[str, int] = OrderedDict()
-        self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
+        self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views],
+                                     self.cfg.model_name)
         self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
                                  self.sessions, MAX_SESSIONS, self.metrics.migration, self.roles)
         self.disagg = Disagg(DisaggConfig(**self.cfg.disagg), self.roles, self.handles,

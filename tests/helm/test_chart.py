@@ -108,6 +108,11 @@ CASES: dict[str, dict[str, Any]] = {
     "model-hub-gguf": {"model": {"id": "Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf",
                                  "cache": {"sizeLimit": "8Gi", "mountPath": "/hf"},
                                  "offline": True}},
+    "several-models": {"serve": {"numWorkers": 2, "lora": {"adapters": [
+                           {"name": "sql", "path": "/models/adapters/sql"}]}},
+                       "model": {"path": "base", "volume": {"persistentVolumeClaim": "models"}},
+                       "models": [{"id": "Qwen/Qwen3-0.6B", "revision": "main", "workers": 1},
+                                  {"path": "llama", "servedModelName": "llama"}]},
     "lora": {"serve": {"lora": {"adapters": [{"name": "sql", "path": "/models/adapters/sql"},
                                              {"name": "chat", "path": "org/chat-lora@v2"}],
                                 "maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8}},
@@ -304,6 +309,14 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
     elif name == "model-hub-gguf":
         assert sc.model == values["model"]["id"]
         assert sc.model_name() == "qwen2.5-0.5b-instruct-q4_k_m"
+    elif name == "several-models":
+        first, qwen, llama = sc.per_model()
+        assert (first.model, qwen.model, llama.model) == ("/models/base", "Qwen/Qwen3-0.6B@main",
+                                                          "/models/llama")
+        assert sc.model_names() == ["base", "Qwen/Qwen3-0.6B", "llama"]
+        assert [c.num_workers for c in (first, qwen, llama)] == [2, 1, 2]
+        # the adapters are the first model's
+        assert first.loras == {"sql": "/models/adapters/sql"} and qwen.loras == {}
     elif name == "lora":
         ec = sc.engine_config()
         assert ec.loras == {"sql": "/models/adapters/sql", "chat": "org/chat-lora@v2"}
@@ -464,7 +477,10 @@ def test_pod_specs(case):
                 assert volumes["model"]["hostPath"] == {"path": vol["hostPath"], "type": "Directory"}
         else:
             assert "model" not in volumes
-        if not model.get("id"):
+        # a further base model from the Hub gets the cache too
+        if any(m.get("id") for m in values.get("models", [])):
+            assert env["HF_HOME"]["value"] == mounts[env["HF_HOME"]["value"]]["mountPath"]
+        elif not model.get("id"):
             assert "hf-cache" not in volumes and not {"HF_HOME", "HF_TOKEN"} & set(env)
         keys = values.get("apiKeys", {})
         if keys:
@@ -660,6 +676,20 @@ def test_schema_rejects(values, message):
     ({"serve": {"numWorkers": 0, "prefill": {"workers": 1, "gpusPerWorker": 1},
                 "decode": {"workers": 1}}, "workerGroup": {"gpus": 1}},
      "cannot exchange KV: give both roles GPUs, or set serve.engine.dtype"),
+    # several base models: each needs a model, and what they cannot share yet is refused
+    ({"models": [{"servedModelName": "x"}]}, "models[0]: set id (a Hugging Face Hub name) or "
+                                              "path"),
+    ({"models": [{"id": "org/a", "path": "a"}]}, "models[0]: set id (a Hugging Face Hub "
+                                                  "name) or path (a file on the model volume), "
+                                                  "not both"),
+    ({"models": [{"path": "a"}]}, "models[0].path is relative to the model volume"),
+    ({"models": [{"id": "org/a"}], "serve": {"speculativeConfig": {
+        "method": "ngram", "num_speculative_tokens": 2}}},
+     "models: several base models cannot be combined with serve.autoscaling"),
+    ({"models": [{"id": "org/a", "workers": 2}], "serve": {"numGpusPerWorker": 1},
+      "workerGroup": {"gpus": 1, "maxReplicas": 2}},
+     "the workers of all base models (serve.numWorkers and models[].workers) x "
+     "serve.numGpusPerWorker = 3 GPUs"),
     # autoscaling and worker roles are not combined: one clear refusal
     ({"serve": {**DISAGGREGATED["serve"], "autoscaling": {"enabled": True, "maxWorkers": 3}},
       "workerGroup": {"gpus": 4}},

@@ -118,10 +118,14 @@ for the embedded default model. */}}
 {{- fail "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined with serve.prefill.workers and serve.decode.workers: turn one of them off" }}
 {{- end }}
 {{- include "kvserve.validateRoles" . }}
-{{- $need := mulf (float64 .Values.serve.numWorkers) (float64 .Values.serve.numGpusPerWorker) }}
+{{- /* mixed workers of every base model (model, and each of models) */}}
+{{- $all := int .Values.serve.numWorkers }}
+{{- range .Values.models | default list }}{{ $all = add $all (.workers | default $.Values.serve.numWorkers) }}{{ end }}
+{{- $count := ternary "serve.numWorkers" "the workers of all base models (serve.numWorkers and models[].workers)" (eq $all (int .Values.serve.numWorkers)) }}
+{{- $need := mulf (float64 $all) (float64 .Values.serve.numGpusPerWorker) }}
 {{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
 {{- if gt $need $have }}
-{{- fail (printf "serve.numWorkers x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
+{{- fail (printf "%s x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $count $need $have) }}
 {{- end }}
 {{- include "kvserve.validateAutoscaling" . }}
 {{- $tp := int .Values.serve.tensorParallelSize }}
@@ -140,8 +144,8 @@ for the embedded default model. */}}
 {{- fail (printf "a worker's %d GPUs (serve.tensorParallelSize) must be in one pod: workerGroup.gpus is %d" $tp $pod) }}
 {{- end }}
 {{- $fit := mul (div $pod $tp) (int .Values.workerGroup.maxReplicas) }}
-{{- if lt $fit (int .Values.serve.numWorkers) }}
-{{- fail (printf "serve.numWorkers %d tensor-parallel workers of %d GPUs each, but the worker pods hold at most %d (workerGroup.maxReplicas x (workerGroup.gpus / serve.tensorParallelSize))" (int .Values.serve.numWorkers) $tp $fit) }}
+{{- if lt $fit $all }}
+{{- fail (printf "%s %d tensor-parallel workers of %d GPUs each, but the worker pods hold at most %d (workerGroup.maxReplicas x (workerGroup.gpus / serve.tensorParallelSize))" $count $all $tp $fit) }}
 {{- end }}
 {{- end }}
 {{- if and (gt $tp 1) (eq $gpw 0.0) (eq (float64 .Values.serve.numCpusPerWorker) 0.0) }}
@@ -299,6 +303,13 @@ autoscaler adds where the running ones cannot).
 {{- end }}
 {{- end }}
 
+{{/* "true" when a base model (model, or one of models) comes from the Hugging Face Hub. */}}
+{{- define "kvserve.fromHub" -}}
+{{- $hub := .Values.model.id }}
+{{- range .Values.models | default list }}{{ if .id }}{{ $hub = true }}{{ end }}{{ end }}
+{{- if $hub }}true{{ end }}
+{{- end }}
+
 {{/* Volumes of every Ray pod: /dev/shm in memory, and the model volume if any. */}}
 {{- define "kvserve.volumes" -}}
 - name: shm
@@ -338,7 +349,7 @@ autoscaler adds where the running ones cannot).
               path: ca.crt
       {{- end }}
 {{- end }}
-{{- if .Values.model.id }}
+{{- if include "kvserve.fromHub" . }}
 {{- with .Values.model.cache }}
 - name: hf-cache
 {{- if .persistentVolumeClaim }}
@@ -360,7 +371,7 @@ autoscaler adds where the running ones cannot).
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
-{{- if .Values.model.id }}
+{{- if include "kvserve.fromHub" . }}
 - name: hf-cache
   mountPath: {{ .Values.model.cache.mountPath }}
 {{- end }}
@@ -380,7 +391,7 @@ autoscaler adds where the running ones cannot).
       name: {{ include "kvserve.apiKeysSecretName" . }}
       key: {{ .Values.apiKeys.secretKey }}
 {{- end }}
-{{- if .Values.model.id }}
+{{- if include "kvserve.fromHub" . }}
 - name: HF_HOME
   value: {{ .Values.model.cache.mountPath | quote }}
 {{- end }}
@@ -467,6 +478,38 @@ livenessProbe:
   "ttft_window_s" .ttftWindowS "max_queued_requests" .maxQueuedRequests
   "queue_timeout_s" .queueTimeoutS "drain_timeout_s" .drainTimeoutS) }}
 {{- end }}
+{{- end }}
+{{- $more := list }}
+{{- range $i, $m := .Values.models | default list }}
+{{- if and $m.id $m.path }}
+{{- fail (printf "models[%d]: set id (a Hugging Face Hub name) or path (a file on the model volume), not both" $i) }}
+{{- end }}
+{{- if not (or $m.id $m.path) }}
+{{- fail (printf "models[%d]: set id (a Hugging Face Hub name) or path (a file on the model volume)" $i) }}
+{{- end }}
+{{- if and $m.revision (not $m.id) }}
+{{- fail (printf "models[%d].revision needs models[%d].id (a Hugging Face Hub name)" $i $i) }}
+{{- end }}
+{{- $p := $m.path }}
+{{- if $m.id }}
+{{- $p = $m.id }}
+{{- with $m.revision }}{{ $p = printf "%s@%s" $p . }}{{ end }}
+{{- else if not (hasPrefix "/" $m.path) }}
+{{- if not (or $.Values.model.volume.persistentVolumeClaim $.Values.model.volume.hostPath) }}
+{{- fail (printf "models[%d].path is relative to the model volume: set model.volume.persistentVolumeClaim or model.volume.hostPath (or give an absolute path inside the image)" $i) }}
+{{- end }}
+{{- $p = printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) $m.path }}
+{{- end }}
+{{- $e := dict "model" $p }}
+{{- with $m.servedModelName }}{{ $_ := set $e "served_model_name" . }}{{ end }}
+{{- with $m.workers }}{{ $_ := set $e "num_workers" . }}{{ end }}
+{{- $more = append $more $e }}
+{{- end }}
+{{- if $more }}
+{{- if or (and $s.autoscaling $s.autoscaling.enabled) $s.prefill.workers $s.decode.workers $s.speculativeConfig }}
+{{- fail "models: several base models cannot be combined with serve.autoscaling, serve.prefill / serve.decode workers or serve.speculativeConfig yet; serve one base model per release for those" }}
+{{- end }}
+{{- $_ := set $args "models" $more }}
 {{- end }}
 {{- $lora := $s.lora | default dict }}
 {{- if or $lora.enabled $lora.adapters }}
