@@ -80,6 +80,16 @@ class BaseModels:
         raise ServiceError("not_found", f"model {name!r} is not served here; available: "
                                         f"{', '.join(repr(m) for m in served)}")
 
+    def base(self, name: str | None) -> Service:
+        """The Service of the base model `name` (operators' calls: drain, move); empty or
+        "default" is the first model; NOT_FOUND naming the base models otherwise."""
+        if not name or name == "default":
+            return self.primary
+        if (svc := self.by_name(name)) is not None:
+            return svc
+        raise ServiceError("not_found", f"no base model {name!r} is served here; base models: "
+                                        f"{', '.join(repr(s.model_name) for s in self.services)}")
+
     async def refresh_models(self) -> None:
         await asyncio.gather(*(s.refresh_models() for s in self.services))
 

@@ -352,7 +352,8 @@ class GrpcFrontend:
         self, request: pb.MoveStreamRequest, grpc_context: Any
     ) -> pb.MoveStreamResponse:
         try:
-            svc = self._authed(grpc_context)
+            self._authed(grpc_context)
+            svc = self.models.base(request.model)
             res = await admin.move(svc, request.request_id, request.worker_id,
                                    request.stop_and_copy)
         except ServiceError as e:
@@ -384,7 +385,8 @@ class GrpcFrontend:
         self, request: pb.DrainWorkerRequest, grpc_context: Any
     ) -> pb.DrainWorkerResponse:
         try:
-            svc = self._authed(grpc_context)
+            self._authed(grpc_context)
+            svc = self.models.base(request.model)
             timeout = request.timeout_s if request.HasField("timeout_s") else None
             res = await admin.drain(svc, request.worker_id, timeout)
         except ServiceError as e:

@@ -137,11 +137,11 @@ class KVServeIngress(GrpcFrontend):
 
     @app.post("/v1/admin/drain")
     async def drain(self, body: admin.DrainRequest) -> dict[str, Any]:
-        return await admin.drain(self.service, body.worker, body.timeout_s)
+        return await admin.drain(self.models.base(body.model), body.worker, body.timeout_s)
 
     @app.post("/v1/admin/move")
     async def move(self, body: admin.MoveRequest) -> dict[str, Any]:
-        return await admin.move(self.service, body.request_id, body.worker_id,
+        return await admin.move(self.models.base(body.model), body.request_id, body.worker_id,
                                 body.stop_and_copy)
 
     @app.get("/v1/server_info")

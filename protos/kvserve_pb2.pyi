@@ -517,12 +517,14 @@ class ColdStart(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., cold_start_s: _Optional[float] = ..., pressure_to_serving_s: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "timeout_s")
+    __slots__ = ("worker_id", "timeout_s", "model")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     timeout_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    model: str
+    def __init__(self, worker_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DrainWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "streams_moved", "drained", "sessions_moved")
@@ -537,14 +539,16 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., streams_moved: _Optional[int] = ..., drained: _Optional[bool] = ..., sessions_moved: _Optional[int] = ...) -> None: ...
 
 class MoveStreamRequest(_message.Message):
-    __slots__ = ("request_id", "worker_id", "stop_and_copy")
+    __slots__ = ("request_id", "worker_id", "stop_and_copy", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_AND_COPY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     stop_and_copy: bool
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., stop_and_copy: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., stop_and_copy: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MoveStreamResponse(_message.Message):
     __slots__ = ("request_id", "from_worker", "to_worker", "method", "stall_ms", "bytes", "rounds")

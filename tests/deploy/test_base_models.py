@@ -73,3 +73,14 @@ def test_an_adapter_cannot_take_another_base_models_name(models):
         with pytest.raises(ServiceError) as err:
             asyncio.run(a.load_lora(name, "/adapters/x"))
         assert err.value.kind == "invalid" and "other than the base models'" in err.value.message
+
+
+def test_operators_calls_name_a_base_model(models):
+    a, b = models.services
+    assert models.base(None) is a and models.base("") is a and models.base("default") is a
+    assert models.base("org/a") is a and models.base("b") is b
+    for name in ("sql", "nope", "org/a:sql"):  # adapters run on their base model's workers
+        with pytest.raises(ServiceError) as err:
+            models.base(name)
+        assert err.value.kind == "not_found"
+        assert "'org/a', 'b'" in err.value.message

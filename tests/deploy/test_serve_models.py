@@ -7,8 +7,8 @@ A request's `model` picks the base model (none: the first); each answers with th
 tokens of kvserve's offline engine on that model alone, over gRPC and HTTP. ListModels,
 /v1/models, GetServerInfo, /v1/server_info and /health show both models with their
 workers; an unknown model is NOT_FOUND / 404, naming the models served, and a request a
-model refuses is counted as that model's rejection. A redeploy without the second model
-stops its router."""
+model refuses is counted as that model's rejection. The operators' calls (move, drain) act
+on the model they name. A redeploy without the second model stops its router."""
 
 from __future__ import annotations
 
@@ -184,6 +184,45 @@ def test_requests_are_routed_by_model_over_http(serve_app, models_app, want, tin
     status, health = _http(serve_app, "/health")
     assert status == 200 and health == {"status": "ok", "workers_alive": 2,
                                         "models": {base: 1, TINY: 1}}
+
+
+def test_operators_calls_act_on_the_model_they_name(serve_app, models_app):
+    """Move and drain name a base model (none: the first): a stream of the second model is
+    known to its router only; an unknown model is NOT_FOUND / 404."""
+    import threading
+
+    second = ray.get_actor(models_app.router_names()[1], namespace=NAMESPACE)
+    (w,) = ray.get(second.workers.remote())
+    ray.get(w.pause_engine.remote())  # the stream stays unfinished while the calls run
+    ch, kv, md = _stub(serve_app)
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(kv.Generate(pb.GenerateRequest(
+        prompt=PROMPT, model=TINY, sampling=pb.SamplingParams(
+            temperature=0, max_tokens=N, ignore_eos=True)), metadata=md, timeout=300)))
+    t.start()
+    try:
+        _wait_for(lambda: ray.get(w.unfinished_ids.remote()), "the stream on its worker")
+        (rid,) = ray.get(w.unfinished_ids.remote())
+        status, r = _http(serve_app, "/v1/admin/move", {"request_id": rid})
+        assert status == 404 and "no unfinished request" in r["error"]["message"], r
+        # its own router finds it (one worker: nowhere to move it)
+        status, r = _http(serve_app, "/v1/admin/move", {"request_id": rid, "model": TINY})
+        assert status == 409 and "no other worker" in r["error"]["message"], r
+        with pytest.raises(grpc.RpcError) as err:
+            kv.MoveStream(pb.MoveStreamRequest(request_id=rid, model=TINY), metadata=md,
+                          timeout=60)
+        assert "no other worker" in err.value.details()
+        status, r = _http(serve_app, "/v1/admin/drain", {"worker": "worker-0", "model": "nope"})
+        assert status == 404 and repr(TINY) in r["error"]["message"], r
+        with pytest.raises(grpc.RpcError) as err:
+            kv.DrainWorker(pb.DrainWorkerRequest(worker_id="worker-0", model="nope"),
+                           metadata=md, timeout=60)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        ray.get(w.resume_engine.remote())
+        t.join(300)
+        ch.close()
+    assert len(done) == 1 and len(done[0].token_ids) == N
 
 
 def test_a_redeploy_without_a_model_stops_its_router(serve_app, models_app, want):
