@@ -401,14 +401,14 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
     from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
 
     ray_ep = ray_endpoints()
-    context = _served_context(cfg)
+    contexts = [_served_context(name) for name in cfg.router_names()]
     n = sum(c.total_workers for c in cfg.per_model())
     serving = f"{n - len(not_ready)} of {_workers(cfg)}" if not_ready else _workers(cfg)
     a = cfg.autoscaling
     scaling = (f", autoscaling {a.min_workers}..{a.max_workers} (delays: up "
                f"{a.upscale_delay_s:g} s, down {a.downscale_delay_s:g} s)" if a else "")
     print(f"kvserve: serving {', '.join(cfg.model_names())} on {serving}{scaling}"
-          + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
+          + _contexts_note(cfg.model_names(), contexts))
     for worker, state in not_ready.items():
         print(f"  {worker:<10} {state}")
     client_tls = ""
@@ -443,14 +443,23 @@ def _workers(cfg: ServeConfig) -> str:
     return f"{cfg.num_workers} worker(s)"
 
 
-def _served_context(cfg: ServeConfig) -> int | None:
-    """The context the workers serve (the model's, or less where the KV pool holds less)."""
+def _contexts_note(names: list[str], contexts: list[int | None]) -> str:
+    """The banner's context: one model's, or each model's (those known)."""
+    if len(contexts) == 1:
+        return f", context {contexts[0]} tokens (prompt + max_tokens)" if contexts[0] else ""
+    known = [f"{n} {c}" for n, c in zip(names, contexts, strict=True) if c]
+    return f", context {', '.join(known)} tokens (prompt + max_tokens)" if known else ""
+
+
+def _served_context(router_name: str) -> int | None:
+    """The context a model's workers serve (the model's, or less where the KV pool holds
+    less), from its router."""
     import ray
 
     from kvserve.router.lifecycle import find_router
 
     try:
-        router = find_router(cfg.router_name)
+        router = find_router(router_name)
         info = ray.get(router.server_info.remote(), timeout=10) if router is not None else {}
         return int(info["model_info"]["max_model_len"])
     except Exception:  # (the banner goes without it)
