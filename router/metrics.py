@@ -29,6 +29,9 @@ POLICY_KINDS = {
     "round_robin": ("round_robin",),
 }
 
+# every router series: its base model and routing policy (one router per base model)
+ROUTER_TAGS = ("model", "policy")
+
 
 def decision_kind(d: Decision, chosen: WorkerView, block_hashes: list[int]) -> str:
     if d.reason != "prefix":
@@ -52,13 +55,13 @@ class RouterMetrics:
         tags = {"policy": policy, "model": model}
         self.decisions = Counter(
             "kvserve_router_decisions", "successful routing decisions, by kind",
-            tag_keys=("model", "policy", "kind")).set_default_tags(tags)
+            tag_keys=(*ROUTER_TAGS, "kind")).set_default_tags(tags)
         self.retries = Counter(
             "kvserve_router_retries",
             "picks for a request whose earlier worker died before its first token",
-            tag_keys=("model", "policy",)).set_default_tags(tags)
+            tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.alive = Gauge("kvserve_router_workers_alive", "workers the router routes to",
-                           tag_keys=("model", "policy",)).set_default_tags(tags)
+                           tag_keys=ROUTER_TAGS).set_default_tags(tags)
         for kind in POLICY_KINDS.get(policy, ()):
             zero(self.decisions, {"kind": kind})
         zero(self.retries)
@@ -91,17 +94,17 @@ class DisaggMetrics:
         self.handoffs = Counter(
             "kvserve_disagg_handoffs", "streams handed from a prefill to a decode worker, by "
             "outcome (moved, recomputed, failed, kept, finished, gone)",
-            tag_keys=("model", "policy", "outcome")).set_default_tags(tags)
+            tag_keys=(*ROUTER_TAGS, "outcome")).set_default_tags(tags)
         self.seconds = Histogram(
             "kvserve_disagg_handoff_seconds", "time a handed-off stream ran on neither worker "
             "(freeze, copy, commit, release)", boundaries=list(HANDOFF_BUCKETS),
-            tag_keys=("model", "policy",)).set_default_tags(tags)
+            tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.bytes = Histogram(
             "kvserve_disagg_handoff_bytes", "KV bytes of a hand-off",
-            boundaries=list(BYTE_BUCKETS), tag_keys=("model", "policy",)).set_default_tags(tags)
+            boundaries=list(BYTE_BUCKETS), tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.local = Counter(
             "kvserve_disagg_local_prefills", "requests of a disaggregated deployment prefilled "
-            "where they decode, by reason", tag_keys=("model", "policy", "reason")).set_default_tags(tags)
+            "where they decode, by reason", tag_keys=(*ROUTER_TAGS, "reason")).set_default_tags(tags)
         self.zero()
 
     def zero(self) -> None:
@@ -133,30 +136,30 @@ class MigrationMetrics:
         from ray.util.metrics import Counter, Gauge, Histogram
 
         tags = {"policy": policy, "model": model}
-        keys = ("model", "policy", "worker", "direction")
+        keys = (*ROUTER_TAGS, "worker", "direction")
         self.streams = Counter("kvserve_migration_streams", "streams moved, by worker and "
                                "direction", tag_keys=keys).set_default_tags(tags)
         self.bytes = Counter("kvserve_migration_bytes", "stream snapshot bytes moved, by worker "
                              "and direction", tag_keys=keys).set_default_tags(tags)
         self.failures = Counter("kvserve_migration_failures", "moves that failed on their "
                                 "target worker (the stream went back to its source)",
-                                tag_keys=("model", "policy", "worker")).set_default_tags(tags)
+                                tag_keys=(*ROUTER_TAGS, "worker")).set_default_tags(tags)
         self.sessions = Counter("kvserve_migration_sessions", "sessions re-pinned to a worker, "
                                 "their host-cached prefix with them",
-                                tag_keys=("model", "policy", "worker")).set_default_tags(tags)
+                                tag_keys=(*ROUTER_TAGS, "worker")).set_default_tags(tags)
         self.draining = Gauge("kvserve_worker_draining", "0 serving, 1 draining, 2 drained",
-                              tag_keys=("model", "policy", "worker")).set_default_tags(tags)
+                              tag_keys=(*ROUTER_TAGS, "worker")).set_default_tags(tags)
         self.moves = Counter("kvserve_stream_moves", "stream moves by reason (rebalance, drain, "
                              "operator, parked), method (live, snapshot) and outcome (moved, "
-                             "refused, failed)", tag_keys=("model", "policy", *MOVE_KEYS)
+                             "refused, failed)", tag_keys=(*ROUTER_TAGS, *MOVE_KEYS)
                              ).set_default_tags(tags)
         self.stall = Histogram("kvserve_stream_move_stall_seconds", "time a moved stream ran "
                                "on neither worker, by method (live: the final stage)",
-                               boundaries=list(STALL_BUCKETS), tag_keys=("model", "policy", "method")
+                               boundaries=list(STALL_BUCKETS), tag_keys=(*ROUTER_TAGS, "method")
                                ).set_default_tags(tags)
         self.rounds = Histogram("kvserve_stream_move_rounds", "copy rounds of a live move "
                                 "(pre-copy rounds and the final stage)",
-                                boundaries=list(ROUND_BUCKETS), tag_keys=("model", "policy",)
+                                boundaries=list(ROUND_BUCKETS), tag_keys=ROUTER_TAGS
                                 ).set_default_tags(tags)
         for reason in MOVE_REASONS:
             for method in ("live", "snapshot"):
@@ -220,26 +223,26 @@ class AutoscalerMetrics:
         tags = {"policy": policy, "model": model}
         self.desired = Gauge("kvserve_autoscaler_desired_workers", "workers the autoscaling "
                              "policy wants (the fixed count when it is off)",
-                             tag_keys=("model", "policy",)).set_default_tags(tags)
+                             tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.workers = Gauge("kvserve_autoscaler_workers", "workers by state: serving, "
                              "starting (waiting for resources included), draining",
-                             tag_keys=("model", "policy", "state")).set_default_tags(tags)
+                             tag_keys=(*ROUTER_TAGS, "state")).set_default_tags(tags)
         self.queued = Gauge("kvserve_autoscaler_queued_requests", "requests waiting at the "
-                            "router for a worker while none serves", tag_keys=("model", "policy",)
+                            "router for a worker while none serves", tag_keys=ROUTER_TAGS
                             ).set_default_tags(tags)
         self.decisions = Counter("kvserve_autoscaler_decisions", "pool size changes the "
                                  "autoscaling policy made, by direction and reason",
-                                 tag_keys=("model", "policy", "direction", "reason")
+                                 tag_keys=(*ROUTER_TAGS, "direction", "reason")
                                  ).set_default_tags(tags)
         # gauges, not a histogram: a histogram is exported only once observed, and starts
         # are rare; each start sets them (0 until one)
         self.cold_start = Gauge("kvserve_autoscaler_cold_start_seconds", "the latest worker "
                                 "the policy started: from the decision to its serving "
-                                "(placement, start, model load)", tag_keys=("model", "policy",)
+                                "(placement, start, model load)", tag_keys=ROUTER_TAGS
                                 ).set_default_tags(tags)
         self.pressure = Gauge("kvserve_autoscaler_pressure_to_serving_seconds", "the latest "
                               "worker the policy started: from the first poll that wanted it "
-                              "to its serving", tag_keys=("model", "policy",)).set_default_tags(tags)
+                              "to its serving", tag_keys=ROUTER_TAGS).set_default_tags(tags)
         for reason in UP_REASONS:
             zero(self.decisions, {"direction": "up", "reason": reason})
         for reason in DOWN_REASONS:
