@@ -21,6 +21,7 @@ class DrainRequest(BaseModel):
 
     worker: str | int
     timeout_s: float | None = None
+    model: str | None = None  # the base model whose worker it is (none: the first)
 
 
 def worker_index(svc: Service, worker: Any) -> int:
@@ -55,6 +56,7 @@ class MoveRequest(BaseModel):
     request_id: str
     worker_id: str | int | None = None  # the target; None or "": the router picks
     stop_and_copy: bool = False
+    model: str | None = None  # the base model that serves the stream (none: the first)
 
 
 MOVE_CODES = {"not_found": "not_found", "invalid": "invalid", "no_room": "conflict"}

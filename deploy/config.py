@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvserve.config import EngineConfig
+from kvserve.deploy.autoscaling import AutoscalingSettings
 from kvserve.router.config import RouterConfig
+from kvserve.speculative import SpeculativeConfig, parse_speculative_config
 
 API_KEYS_ENV = "KVSERVE_API_KEYS"
 # prompts shorter than this are prefilled where they decode (disaggregated serving): one KV
@@ -18,6 +21,39 @@ API_KEYS_ENV = "KVSERVE_API_KEYS"
 DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 16
 # where `kvserve serve` starts Serve's proxies unless told otherwise
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_HTTP_HOST = 9000, 8000, "127.0.0.1"
+
+
+def model_router_name(router_name: str, n: int) -> str:
+    """The router of the n-th further base model (n >= 1) of the app whose first model's
+    router is `router_name`."""
+    return f"{router_name.removesuffix('-router')}-model{n}-router"
+
+
+class ModelEntry(BaseModel):
+    """A further base model served beside `model`, with its own workers and router."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(min_length=1, description="as ServeConfig.model")
+    served_model_name: str | None = Field(None, description="as ServeConfig.served_model_name")
+    num_workers: int | None = Field(
+        None, ge=1, description="its mixed workers; None = ServeConfig.num_workers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        # the chart's and the CLI's short form: just the model; `workers` as in the chart
+        if isinstance(data, str):
+            return {"model": data}
+        if isinstance(data, dict) and "workers" in data:
+            data = {k: v for k, v in data.items() if k != "workers"} | \
+                {"num_workers": data["workers"]}
+        return data
+
+    def name(self) -> str:
+        from kvserve.models import served_name
+
+        return self.served_model_name or served_name(self.model)
 
 
 class ServeConfig(BaseModel):
@@ -31,13 +67,25 @@ class ServeConfig(BaseModel):
         None, description="GGUF file, HF directory, or Hub name (org/name[@rev], "
                           "org/name:file.gguf[@rev]); None = default model",
     )
+    models: list[ModelEntry] = Field(
+        default_factory=list,
+        description="further base models served beside `model`, each with its own workers "
+                    "(num_workers unless the entry sets its own) and router; requests name "
+                    "one in `model`. A list given as `model` (--model more than once) is "
+                    "split into `model` (the first) and these",
+    )
     served_model_name: str | None = Field(
         None, description="name clients pass as `model`; default = the model file's stem, or "
                           "the Hub repository id",
     )
     num_workers: int = Field(
         1, ge=0, description="mixed worker actors, one engine each (0 with prefill_workers "
-                             "and decode_workers, the default then)")
+                             "and decode_workers, the default then); with autoscaling, the "
+                             "workers it starts with (default: max(1, min_workers))")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="the worker pool follows the load between min_workers and "
+                          "max_workers (None: a fixed pool of num_workers); mixed workers "
+                          "only, not with prefill_workers and decode_workers")
     num_gpus_per_worker: float = Field(
         0, ge=0, description="0 on CPU; a tensor-parallel worker's GPUs: one per rank")
     num_cpus_per_worker: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
@@ -51,6 +99,11 @@ class ServeConfig(BaseModel):
         900.0, gt=0, description="a worker that Ray has not placed this long after its start "
                                  "(no node with its resources free) is stopped and reported "
                                  "failed, with what it waited for")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding of every worker's engine, with vLLM's names "
+                          "(method ngram|draft_model, num_speculative_tokens, "
+                          "prompt_lookup_min/max, model, disable_by_batch_size); a dict or its "
+                          "JSON text; None = off")
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig overrides (kv_cache_tokens, num_threads...); on CPU, "
@@ -187,6 +240,34 @@ class ServeConfig(BaseModel):
         60.0, gt=0, description="a decode worker's reservation, or a prefill worker's held "
                                 "stream, that nobody renews or sends for this long is freed")
 
+    # the workers of every base model (set on each of per_model's configs): a worker's CPU
+    # threads default to the node's cores divided by them
+    _cpu_share_workers: int = PrivateAttr(0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_list(cls, data: Any) -> Any:
+        # `--model` given more than once, or a list in a config: the first is `model`, the
+        # others are served beside it (`models`)
+        if not isinstance(data, dict) or not isinstance(data.get("model"), (list, tuple)):
+            return data
+        given = [ModelEntry.model_validate(m) for m in data["model"]]
+        data = {**data, "model": None}
+        if not given:
+            return data
+        first, rest = given[0], given[1:]
+        data["model"] = first.model
+        for key in ("served_model_name", "num_workers"):
+            value = getattr(first, key)
+            if value is None:
+                continue
+            if data.get(key) is not None and data[key] != value:
+                raise ValueError(f"the first model's {key} ({value}) differs from {key} "
+                                 f"({data[key]}); set it once")
+            data[key] = value
+        data["models"] = [*rest, *(data.get("models") or [])]
+        return data
+
     @model_validator(mode="before")
     @classmethod
     def _no_mixed_with_roles(cls, data: Any) -> Any:
@@ -195,6 +276,16 @@ class ServeConfig(BaseModel):
                 and (data.get("prefill_workers") or data.get("decode_workers"))):
             data = {**data, "num_workers": 0}
         return data
+
+    @model_validator(mode="after")
+    def _autoscaling_mixed_only(self) -> ServeConfig:
+        # (before the role and autoscaling checks: this is the one error such a config gets)
+        if self.autoscaling is not None and (self.prefill_workers or self.decode_workers):
+            raise ValueError(
+                "autoscaling works on mixed workers only; autoscaling (--min-workers, "
+                "--max-workers) cannot be combined with prefill_workers and decode_workers "
+                "(--prefill-workers, --decode-workers): drop one of them")
+        return self
 
     @property
     def disaggregated(self) -> bool:
@@ -257,6 +348,11 @@ class ServeConfig(BaseModel):
                              "GPUs, or one dtype (engine.dtype, --dtype)")
         return self
 
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: Any) -> Any:
+        return parse_speculative_config(v) if isinstance(v, str) else v
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
@@ -314,22 +410,88 @@ class ServeConfig(BaseModel):
                              "set ssl_certfile and ssl_keyfile too")
         return self
 
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> ServeConfig:
+        a = self.autoscaling
+        if a is None:
+            return self
+        lo = max(1, a.min_workers)
+        if "num_workers" not in self.model_fields_set:
+            self.num_workers = lo
+            self.model_fields_set.add("num_workers")  # (validate_assignment is off)
+        elif not lo <= self.num_workers <= a.max_workers:
+            raise ValueError(f"num_workers ({self.num_workers}) is the worker count autoscaling "
+                             f"starts with: it must be within [max(1, min_workers), "
+                             f"max_workers] = [{lo}, {a.max_workers}]")
+        return self
+
+    def most_workers(self) -> int:
+        """The most workers this app may run at once (the placement check's demand), those
+        of every base model together."""
+        return max(self.num_workers, self.autoscaling.max_workers if self.autoscaling else 0) \
+            + sum(m.num_workers or self.num_workers for m in self.models)
+
     @property
     def tls(self) -> bool:
         """Whether both APIs serve TLS."""
         return bool(self.ssl_certfile)
 
-    @field_validator("model", mode="before")
-    @classmethod
-    def _one_model(cls, v: Any) -> Any:
-        # `--model` given more than once, or a list in a config: one base model per service
-        if isinstance(v, (list, tuple)):
-            if len(v) > 1:
-                raise ValueError(
-                    f"{len(v)} base models given ({', '.join(map(str, v))}); a service serves "
-                    "one base model (with its LoRA adapters): deploy one service per base model")
-            v = v[0] if v else None
-        return v
+    @model_validator(mode="after")
+    def _check_models(self) -> ServeConfig:
+        if not self.models:
+            return self
+        # what works per model today: a fixed pool of mixed workers each, LoRA adapters
+        # on the first model; anything else is refused rather than half applied
+        for what, given in (
+                ("prefill_workers and decode_workers (--prefill-workers, --decode-workers)",
+                 self.disaggregated),
+                ("autoscaling (--min-workers, --max-workers)", self.autoscaling is not None),
+                ("speculative_config (--speculative-config)",
+                 self.speculative_config is not None
+                 or self.engine.get("speculative_config") is not None)):
+            if given:
+                raise ValueError(f"{what} cannot be combined with several base models "
+                                 f"({', '.join(self.model_names())}) yet: serve one base "
+                                 "model per service for it")
+        names = self.model_names()
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"base model name(s) {', '.join(map(repr, twice))} served twice: "
+                             "give each model its own served_model_name")
+        clash = sorted(set(names) & set(self.loras))
+        if clash:
+            raise ValueError(f"LoRA adapter name(s) {', '.join(map(repr, clash))} are base "
+                             "model names")
+        return self
+
+    def model_names(self) -> list[str]:
+        """The served name of every base model, the first (`model`) first."""
+        return [self.model_name(), *(m.name() for m in self.models)]
+
+    def per_model(self) -> list[ServeConfig]:
+        """One configuration per base model, each with one model, its workers and its
+        router. The first keeps this config's names (router, workers), so a service of
+        one model is the same with or without this split; the others' routers are named
+        after their index. LoRA adapters belong to the first model."""
+        if not self.models:
+            return [self]
+        out = self._split()
+        for c in out:  # their workers share the nodes' cores
+            c._cpu_share_workers = sum(x.num_workers for x in out)
+        return out
+
+    def _split(self) -> list[ServeConfig]:
+        first = self.model_copy(update={"models": []})
+        return [first, *(self.model_copy(update={
+            "models": [], "model": m.model, "served_model_name": m.served_model_name,
+            "num_workers": m.num_workers or self.num_workers,
+            "router_name": model_router_name(self.router_name, i),
+            "loras": {}, "enable_lora": False})
+            for i, m in enumerate(self.models, 1))]
+
+    def router_names(self) -> list[str]:
+        """Every base model's router, the first model's first."""
+        return [c.router_name for c in self.per_model()]
 
     @field_validator("engine")
     @classmethod
@@ -344,6 +506,11 @@ class ServeConfig(BaseModel):
         if in_engine is not None and in_engine != tp:
             raise ValueError(f"engine.tensor_parallel_size {in_engine} differs from "
                              f"tensor_parallel_size {tp}; set it once")
+        in_engine = self.engine.get("speculative_config")
+        if in_engine is not None and self.speculative_config is not None and \
+                parse_speculative_config(in_engine) != self.speculative_config:
+            raise ValueError("engine.speculative_config differs from speculative_config; set it "
+                             "once")
         gpus = self.num_gpus_per_worker
         if tp > 1 and gpus > 0 and gpus != tp:
             raise ValueError(f"a worker with tensor_parallel_size {tp} runs one rank per GPU: "
@@ -380,6 +547,7 @@ class ServeConfig(BaseModel):
             max_imbalance=self.max_imbalance, max_inflight_per_worker=self.max_inflight_per_worker,
             load_poll_interval_s=self.load_poll_interval_s, model_name=self.model_name(),
             slot_grace_s=self.slot_grace_s, placement_timeout_s=self.placement_timeout_s,
+            autoscaling=asdict(self.autoscaling.policy()) if self.autoscaling else {},
             migration={"enabled": self.migration,
                        "park_threshold_s": self.migration_park_threshold_s,
                        "max_inflight": self.migration_max_inflight,
@@ -395,6 +563,7 @@ class ServeConfig(BaseModel):
                     "failure_policy": self.disagg_failure_policy,
                     "lease_s": self.disagg_lease_s,
                     "growth_tokens": self.live_move_growth_tokens},
+            cpu_share_workers=self._cpu_share_workers,
         )
 
     def engine_config(self) -> EngineConfig:
@@ -402,6 +571,8 @@ class ServeConfig(BaseModel):
         if self.loras or self.enable_lora:
             lora = {"loras": self.loras, "enable_lora": True, "max_loras": self.max_loras,
                     "max_lora_rank": self.max_lora_rank, "max_cpu_loras": self.max_cpu_loras}
+        if self.speculative_config is not None:
+            lora["speculative_config"] = self.speculative_config
         return EngineConfig(**{**self.engine, "model": self.model,
                                "tensor_parallel_size": self.tensor_parallel_size, **lora})
 

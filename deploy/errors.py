@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
 
 
@@ -20,15 +23,25 @@ class ServiceError(Exception):
         "internal": (grpc.StatusCode.INTERNAL, 500, "internal_error"),
     }
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, retry_after: int | None = None) -> None:
         if kind not in self.KINDS:
             kind = "internal"
         super().__init__(message)
         self.kind = kind
         self.message = message
+        # seconds after which a retry should find the service able to serve: HTTP's
+        # Retry-After (Serve's gRPC proxy sends no trailing metadata with an error status, so
+        # on gRPC the message names it); set where the request already waited
+        self.retry_after = retry_after
+        # the base model whose request it answers (its rejection's `model` tag); None: the
+        # service's first model
+        self.model: str | None = None
 
     def __reduce__(self) -> tuple:  # picklable: Ray ships it from the replica to the proxy
-        return (ServiceError, (self.kind, self.message))
+        return (ServiceError, (self.kind, self.message, self.retry_after))
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(int(self.retry_after))}
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -41,3 +54,14 @@ class ServiceError(Exception):
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.KINDS[self.kind][2],
                           "code": self.http_status}}
+
+
+@contextmanager
+def for_model(model: str) -> Iterator[None]:
+    """ServiceErrors raised in the block answer a request to `model` (metrics tag them so)."""
+    try:
+        yield
+    except ServiceError as e:
+        if e.model is None:
+            e.model = model
+        raise

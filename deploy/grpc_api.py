@@ -11,7 +11,8 @@ from contextlib import aclosing
 from typing import Any
 
 from kvserve.deploy import admin, metrics
-from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.base_models import BaseModels
+from kvserve.deploy.errors import ServiceError, for_model
 from kvserve.deploy.grpc_servicer import INVALID_UTF8_MARKER
 from kvserve.deploy.service import GenRequest, Service
 from kvserve.deploy.slots import Leases
@@ -148,12 +149,55 @@ def _stream_response(
     )
 
 
-async def _check_model(svc: Service, request: Any) -> str | None:
-    """The LoRA adapter the request's `model` names (None: the base model)."""
+def autoscaling_info(a: dict[str, Any] | None) -> pb.AutoscalingInfo | None:
+    """The router's autoscaling block as the proto message."""
+    if not a:
+        return None
+    pending = a.get("pending") or {}
+    return pb.AutoscalingInfo(
+        enabled=a["enabled"], min_workers=a["min_workers"], max_workers=a["max_workers"],
+        desired_workers=a["desired_workers"], serving_workers=a["serving_workers"],
+        starting_workers=a["starting_workers"], draining_workers=a["draining_workers"],
+        queued_requests=a["queued_requests"], reason=a["reason"], detail=a["detail"],
+        pending_direction=pending.get("direction", ""), pending_in_s=pending.get("in_s", 0.0),
+        signals=a["signals"], decisions=a["decisions"],
+        cold_starts=[pb.ColdStart(worker_id=c["worker_id"], reason=c["reason"],
+                                  cold_start_s=c["cold_start_s"],
+                                  pressure_to_serving_s=c["pressure_to_serving_s"],
+                                  load_seconds=c["load_s"]) for c in a["cold_starts"]],
+        upscale_delay_s=a["upscale_delay_s"], downscale_delay_s=a["downscale_delay_s"])
+
+
+async def _check_model(models: BaseModels, request: Any) -> tuple[Service, str | None]:
+    """The base model's Service the request's `model` names, and the LoRA adapter (None:
+    the base model)."""
     if request.model == INVALID_UTF8_MARKER:
         raise ServiceError("invalid", "the request could not be parsed: a string field is not "
                                       "valid UTF-8 (or the message is malformed)")
-    return await svc.resolve_model(request.model)
+    return await models.pick(request.model)
+
+
+def _workers(workers: list[dict[str, Any]]) -> list[pb.WorkerInfo]:
+    return [
+        pb.WorkerInfo(
+            worker_id=w["worker_id"], alive=w["alive"], running=w["running"],
+            waiting=w["waiting"], parked=w["parked"], free_device_blocks=w["kv_blocks_free"],
+            total_device_blocks=w["kv_blocks_total"],
+            held_device_blocks=w["held_device_blocks"], held_host_blocks=w["held_host_blocks"],
+            restarts=w["restarts"], stats=w["stats"], inflight=w["inflight"],
+            reconciled_slots=w["reconciled_slots"], state=w["state"],
+            load_seconds=w["load_s"], host_tier=pb.HostTierInfo(**w["host_tier"]),
+            tensor_parallel_size=w["tensor_parallel_size"], devices=w["devices"],
+            runtime=w.get("runtime", {}),
+            streams=[pb.StreamInfo(request_id=s["request_id"], state=s["state"],
+                                   tokens=s["tokens"], kv_blocks=s["blocks"])
+                     for s in w.get("streams", [])],
+            lora_device=w.get("loras", {}).get("device", []),
+            lora_host=w.get("loras", {}).get("host", []),
+            role=w.get("role", "mixed"),
+        )
+        for w in workers
+    ]
 
 
 def _fail(ctx: Any, e: ServiceError) -> ServiceError:
@@ -164,7 +208,8 @@ def _fail(ctx: Any, e: ServiceError) -> ServiceError:
 
 
 class GrpcFrontend:
-    service: Service
+    service: Service  # the first base model's
+    models: BaseModels  # every base model's
 
     def _authed(self, ctx: Any) -> Service:
         """The service, once the caller's API key checks out (ServiceError otherwise)."""
@@ -173,10 +218,15 @@ class GrpcFrontend:
 
     async def _gen_request(
         self, request: Any, ctx: Any, chat: bool
-    ) -> tuple[GenRequest, ToolPlan | None]:
-        """The request, and its tools when its answer may hold calls."""
-        svc = self._authed(ctx)
-        lora = await _check_model(svc, request)
+    ) -> tuple[Service, GenRequest, ToolPlan | None]:
+        """The model's Service, the request, and its tools when its answer may hold calls."""
+        self._authed(ctx)
+        svc, lora = await _check_model(self.models, request)
+        with for_model(svc.model_name):
+            return svc, *self._build(svc, lora, request, chat)
+
+    def _build(self, svc: Service, lora: str | None, request: Any,
+               chat: bool) -> tuple[GenRequest, ToolPlan | None]:
         if (size := request.ByteSize()) > svc.cfg.max_request_bytes:
             raise ServiceError("too_large", f"request message has {size} bytes; the server's "
                                             f"limit is {svc.cfg.max_request_bytes} (max_request_bytes)")
@@ -199,21 +249,22 @@ class GrpcFrontend:
     async def _unary(self, request: Any, ctx: Any, chat: bool) -> pb.GenerateResponse:
         leases = Leases()  # the request's router slots, released however the call ends
         try:
-            req, plan = await self._gen_request(request, ctx, chat)
-            r = await self.service.complete(req, leases)
+            svc, req, plan = await self._gen_request(request, ctx, chat)
+            with for_model(svc.model_name):
+                r = await svc.complete(req, leases)
         except ServiceError as e:
             raise _fail(ctx, e) from None
         finally:
             leases.close()
         text, calls = r.text, []
         if plan is not None:
-            text, calls = extract(r.text, plan.forced, self.service.tool_parser)
+            text, calls = extract(r.text, plan.forced, svc.tool_parser)
         return pb.GenerateResponse(
             request_id=r.request_id, text=text, token_ids=r.token_ids,
             finish_reason=_calls_finish(r.finish_reason, bool(calls)),
             stop_reason=r.stop_reason or "", usage=_usage(r.usage),
-            worker_id=r.worker_id, model=req.lora or self.service.model_name,
-            logprobs=_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs),
+            worker_id=r.worker_id, model=req.lora or svc.model_name,
+            logprobs=_logprobs(svc, r.token_ids, r.logprobs, r.top_logprobs),
             tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
             prefill_worker_id=r.prefill_worker_id or r.worker_id,
         )
@@ -223,11 +274,12 @@ class GrpcFrontend:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         leases = Leases()  # released however the call ends (Serve cancels it on a client cancel)
         try:
-            req, plan = await self._gen_request(request, ctx, chat)
-            tools = None if plan is None else ToolStream(plan.forced, self.service.tool_parser)
-            async with aclosing(self.service.stream(req, leases)) as chunks:
-                async for c in chunks:
-                    yield _stream_response(self.service, req, c, tools)
+            svc, req, plan = await self._gen_request(request, ctx, chat)
+            tools = None if plan is None else ToolStream(plan.forced, svc.tool_parser)
+            with for_model(svc.model_name):
+                async with aclosing(svc.stream(req, leases)) as chunks:
+                    async for c in chunks:
+                        yield _stream_response(svc, req, c, tools)
         except ServiceError as e:
             raise _fail(ctx, e) from None
         finally:
@@ -256,8 +308,8 @@ class GrpcFrontend:
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: Any) -> pb.TokenizeResponse:
         try:
-            svc = self._authed(grpc_context)
-            await _check_model(svc, request)
+            self._authed(grpc_context)
+            svc, _ = await _check_model(self.models, request)
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
             ids = svc.tokenize(prompt=request.prompt, messages=msgs or None)
         except ServiceError as e:
@@ -268,14 +320,14 @@ class GrpcFrontend:
         self, request: pb.ListModelsRequest, grpc_context: Any
     ) -> pb.ListModelsResponse:
         try:
-            svc = self._authed(grpc_context)
-            await svc.refresh_models()
+            self._authed(grpc_context)
+            await self.models.refresh_models()
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=m["id"], max_model_len=m["max_model_len"], owned_by=m["owned_by"],
             parent=m["parent"] or "", root=m["root"], lora_rank=m.get("lora_rank", 0))
-            for m in svc.models()])
+            for m in self.models.models()])
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, grpc_context: Any
@@ -284,38 +336,24 @@ class GrpcFrontend:
             svc = self._authed(grpc_context)
         except ServiceError as e:
             raise _fail(grpc_context, e) from None
-        info = await svc.server_info()
-        workers = [
-            pb.WorkerInfo(
-                worker_id=w["worker_id"], alive=w["alive"], running=w["running"],
-                waiting=w["waiting"], parked=w["parked"], free_device_blocks=w["kv_blocks_free"],
-                total_device_blocks=w["kv_blocks_total"],
-                held_device_blocks=w["held_device_blocks"], held_host_blocks=w["held_host_blocks"],
-                restarts=w["restarts"], stats=w["stats"], inflight=w["inflight"],
-                reconciled_slots=w["reconciled_slots"], state=w["state"],
-                load_seconds=w["load_s"], host_tier=pb.HostTierInfo(**w["host_tier"]),
-                tensor_parallel_size=w["tensor_parallel_size"], devices=w["devices"],
-                runtime=w.get("runtime", {}),
-                streams=[pb.StreamInfo(request_id=s["request_id"], state=s["state"],
-                                       tokens=s["tokens"], kv_blocks=s["blocks"])
-                         for s in w.get("streams", [])],
-                lora_device=w.get("loras", {}).get("device", []),
-                lora_host=w.get("loras", {}).get("host", []),
-                role=w.get("role", "mixed"),
-            )
-            for w in info["workers"]
-        ]
-        return pb.GetServerInfoResponse(version="0.1.0", model=svc.model_name, workers=workers,
-                                        routing_policy=info["routing_policy"],
-                                        metrics_port=info["ray"]["metrics_port"],
-                                        dashboard_url=info["ray"]["dashboard_url"],
-                                        max_model_len=svc.max_model_len)
+        info = await self.models.server_info()
+        return pb.GetServerInfoResponse(
+            version="0.1.0", model=svc.model_name, workers=_workers(info["workers"]),
+            routing_policy=info["routing_policy"], metrics_port=info["ray"]["metrics_port"],
+            dashboard_url=info["ray"]["dashboard_url"], max_model_len=svc.max_model_len,
+            autoscaling=autoscaling_info(info.get("autoscaling")),
+            models=[pb.ModelServerInfo(
+                model=m["model"], root=m["root"], max_model_len=m["max_model_len"],
+                routing_policy=m["routing_policy"], workers=_workers(m["workers"]),
+                autoscaling=autoscaling_info(m.get("autoscaling")),
+                loras=[lo["name"] for lo in m["loras"]]) for m in info["models"]])
 
     async def MoveStream(
         self, request: pb.MoveStreamRequest, grpc_context: Any
     ) -> pb.MoveStreamResponse:
         try:
-            svc = self._authed(grpc_context)
+            self._authed(grpc_context)
+            svc = self.models.base(request.model)
             res = await admin.move(svc, request.request_id, request.worker_id,
                                    request.stop_and_copy)
         except ServiceError as e:
@@ -347,7 +385,8 @@ class GrpcFrontend:
         self, request: pb.DrainWorkerRequest, grpc_context: Any
     ) -> pb.DrainWorkerResponse:
         try:
-            svc = self._authed(grpc_context)
+            self._authed(grpc_context)
+            svc = self.models.base(request.model)
             timeout = request.timeout_s if request.HasField("timeout_s") else None
             res = await admin.drain(svc, request.worker_id, timeout)
         except ServiceError as e:

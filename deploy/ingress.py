@@ -13,8 +13,9 @@ from ray import serve
 
 from kvserve.deploy import admin, auth, grafana, limits, metrics
 from kvserve.deploy import openai_api as oa
+from kvserve.deploy.base_models import BaseModels
 from kvserve.deploy.config import ServeConfig
-from kvserve.deploy.errors import ServiceError
+from kvserve.deploy.errors import ServiceError, for_model
 from kvserve.deploy.grpc_api import GrpcFrontend
 from kvserve.deploy.proxy_options import check_proxies
 from kvserve.deploy.service import Service
@@ -65,44 +66,62 @@ class KVServeIngress(GrpcFrontend):
     async def __init__(self, config: dict[str, Any]) -> None:
         cfg = ServeConfig(**config)
         await check_proxies(cfg)  # ports the proxies do not use are refused, not ignored
-        self.service = Service(cfg)
+        # one Service per base model (the first serves requests that name no model)
+        self.models = BaseModels(cfg)
+        self.service: Service = self.models.primary
         auth.set_keys(self.service.api_keys)
-        metrics.start(self.service.model_name)
+        metrics.start(self.service.model_name,
+                      tuple(s.model_name for s in self.models.services[1:]))
         limits.set_max_request_bytes(self.service.cfg.max_request_bytes)
-        await self.service.start()
+        await self.models.start()
         # Serve's graceful shutdown waits for requests in flight; this ends those still
         # running after shutdown_grace_s with UNAVAILABLE / 503 before Serve cuts them
-        self.shutdown_watch = ShutdownWatch(self.service, self.service.cfg.shutdown_grace_s)
-        self.shutdown_watch.start()
+        self.shutdown_watches = [ShutdownWatch(s, cfg.shutdown_grace_s)
+                                 for s in self.models.services]
+        for w in self.shutdown_watches:
+            w.start()
         grafana.start_provisioning()  # kvserve's dashboard beside Ray's own (background)
 
     # ---- HTTP -----------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
         try:
-            info = await self.service.server_info()
+            info = await self.models.server_info()
         except ServiceError as e:  # the router is restarting
             return JSONResponse({"status": "unavailable", "detail": e.message}, status_code=503)
+        if len(info["models"]) > 1:  # every model needs a worker serving
+            alive_of = {m["model"]: sum(w["alive"] for w in m["workers"]) for m in info["models"]}
+            ok = all(alive_of.values())
+            return JSONResponse({"status": "ok" if ok else "unavailable",
+                                 "workers_alive": sum(alive_of.values()),
+                                 "models": alive_of}, status_code=200 if ok else 503)
         alive = sum(w["alive"] for w in info["workers"])
+        scaling = info.get("autoscaling") or {}
+        if not alive and scaling.get("enabled") and scaling.get("min_workers") == 0:
+            # scaled to zero by design: a request starts a worker and waits for it
+            return JSONResponse({"status": "scaled_to_zero", "workers_alive": 0,
+                                 "starting": scaling.get("starting_workers", 0)})
         return JSONResponse({"status": "ok" if alive else "unavailable", "workers_alive": alive},
                             status_code=200 if alive else 503)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        await self.service.refresh_models()
-        return {"object": "list", "data": self.service.models()}
+        await self.models.refresh_models()
+        return {"object": "list", "data": self.models.models()}
 
     @app.post("/v1/completions")
     async def completions(self, body: oa.CompletionRequest) -> Any:
-        lora = await self.service.resolve_model(body.model)
-        req = oa.completion_request(self.service, body, lora)
-        return await oa.respond(self.service, req, body, "completion")
+        svc, lora = await self.models.pick(body.model)
+        with for_model(svc.model_name):
+            req = oa.completion_request(svc, body, lora)
+            return await oa.respond(svc, req, body, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: oa.ChatRequest) -> Any:
-        lora = await self.service.resolve_model(body.model)
-        req = oa.chat_request(self.service, body, lora)
-        return await oa.respond(self.service, req, body, "chat")
+        svc, lora = await self.models.pick(body.model)
+        with for_model(svc.model_name):
+            req = oa.chat_request(svc, body, lora)
+            return await oa.respond(svc, req, body, "chat")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, body: oa.LoadLoraRequest) -> PlainTextResponse:
@@ -118,13 +137,13 @@ class KVServeIngress(GrpcFrontend):
 
     @app.post("/v1/admin/drain")
     async def drain(self, body: admin.DrainRequest) -> dict[str, Any]:
-        return await admin.drain(self.service, body.worker, body.timeout_s)
+        return await admin.drain(self.models.base(body.model), body.worker, body.timeout_s)
 
     @app.post("/v1/admin/move")
     async def move(self, body: admin.MoveRequest) -> dict[str, Any]:
-        return await admin.move(self.service, body.request_id, body.worker_id,
+        return await admin.move(self.models.base(body.model), body.request_id, body.worker_id,
                                 body.stop_and_copy)
 
     @app.get("/v1/server_info")
     async def server_info(self) -> dict[str, Any]:
-        return await self.service.server_info()
+        return await self.models.server_info()

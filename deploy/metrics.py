@@ -21,8 +21,9 @@ REASONS = {"invalid": "invalid", "not_found": "invalid", "unauthenticated": "aut
 _counter: Any = None
 
 
-def start(model: str) -> None:
-    """Create the counter in this (ingress replica) process, every reason at 0."""
+def start(model: str, others: tuple[str, ...] = ()) -> None:
+    """Create the counter in this (ingress replica) process, every reason at 0 for every
+    base model (`model`: the first, the default tag)."""
     global _counter
     from ray.util.metrics import Counter
 
@@ -30,11 +31,12 @@ def start(model: str) -> None:
                        "requests rejected by the ingress, by reason (invalid, overload, auth)",
                        tag_keys=("model", "reason")).set_default_tags({"model": model})
     for reason in sorted(set(REASONS.values())):
-        zero(_counter, {"reason": reason})
+        for m in (model, *others):
+            zero(_counter, {"reason": reason, "model": m})
 
 
 def rejected(err: ServiceError) -> None:
     """Count an error answered to a client, if it is a rejection."""
     reason = REASONS.get(err.kind)
     if reason is not None and _counter is not None:
-        _counter.inc(tags={"reason": reason})
+        _counter.inc(tags={"reason": reason, **({"model": err.model} if err.model else {})})

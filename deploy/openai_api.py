@@ -173,7 +173,7 @@ class ChatRequest(_SamplingFields):
 
 
 def error_response(e: ServiceError) -> JSONResponse:
-    return JSONResponse(e.openai_body(), status_code=e.http_status)
+    return JSONResponse(e.openai_body(), status_code=e.http_status, headers=e.headers())
 
 
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:

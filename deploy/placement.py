@@ -52,11 +52,16 @@ class Demand:
     # "prefill", "decode" (the workers of one role: their flags are named), "both" (all
     # workers of a deployment with roles, whose roles reserve the same bundle)
     role: str = ""
+    count_flag: str = "--workers"  # the setting that asks for that many mixed workers
 
 
 def demand_of(cfg: ServeConfig) -> Demand:
-    return Demand(cfg.num_workers, worker_bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker),
-                  cfg.tensor_parallel_size)
+    """The most workers the app may run at once (an autoscaled pool: max_workers)."""
+    flag = "--max-workers" if cfg.autoscaling and cfg.autoscaling.max_workers >= cfg.num_workers \
+        else "--workers"
+    return Demand(cfg.most_workers(),
+                  worker_bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker),
+                  cfg.tensor_parallel_size, count_flag=flag)
 
 
 def demands_of(cfg: ServeConfig) -> list[Demand]:
@@ -125,7 +130,8 @@ def _ways_out(demand: Demand, nodes: Sequence[Node], held: int) -> list[str]:
     ways = []
     if held > 0:
         ways.append(f"fewer --prefill-workers and --decode-workers ({held} in all)"
-                    if demand.role == "both" else f"--{role}workers {held}")
+                    if demand.role == "both" else f"--{role}workers {held}" if role
+                    else f"{demand.count_flag} {held}")
     for key, flag in (("CPU", "--cpus-per-worker"), ("GPU", f"--{role}gpus-per-worker")):
         if key not in bundle or (key == "GPU" and tp > 1):
             continue

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.deploy import tls
 from kvserve.deploy.app import APP_NAME, GRPC_SERVICER, build_app
+from kvserve.deploy.autoscaling import add_autoscaling_args, autoscaling_from_args
 from kvserve.deploy.config import ServeConfig
 from kvserve.deploy.placement import PlacementError, check_placement
 from kvserve.deploy.ray_start import init_ray
@@ -194,7 +195,8 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
         serve.shutdown()
         if ray.is_initialized():
             # detached: it would outlive Serve (and keep its workers' memory)
-            kill_router(cfg.router_name)
+            for name in cfg.router_names():
+                kill_router(name)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -239,7 +241,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
             with signals.kept():
                 own = start_ray(cfg, ray_init, ray_host)
             check_placement(cfg, own_ray=own)  # before any model loads
-            print(f"kvserve: deploying {cfg.model_name()} on {_workers(cfg)} "
+            print(f"kvserve: deploying {', '.join(cfg.model_names())} on {_workers(cfg)} "
                   "(the model loads) ...", flush=True)
             ep, shown = _deploy_showing_states(cfg)
             _print_banner(cfg, ep, shown.not_ready())
@@ -299,6 +301,10 @@ def _resolve_tokenizer(cfg: ServeConfig) -> None:
     from kvserve.workers.loading.sharding import check_tensor_parallel
     from kvserve.workers.model.runner import context_limit
 
+    if cfg.models:  # each base model on its own
+        for c in cfg.per_model():
+            _resolve_tokenizer(c)
+        return
     path = resolve_model(cfg.model, tokenizer_only=True)
     try:
         model_config = read_model_config(path)
@@ -335,7 +341,8 @@ def _check_adapters(cfg: ServeConfig, model_config: Any) -> None:
 def _deploy_showing_states(cfg: ServeConfig) -> tuple[Endpoints, StartupStates]:
     """deploy_app, printing each worker's start-up state as it changes. Returns the states
     as the app came up (it may serve while workers still wait for resources)."""
-    shown = StartupStates(cfg.router_name)
+    shown = StartupStates(cfg.router_name if not cfg.models else
+                          [(c.model_name(), c.router_name) for c in cfg.per_model()])
     shown.start()
     try:
         ep = deploy_app(cfg)
@@ -394,11 +401,14 @@ def _print_banner(cfg: ServeConfig, ep: Endpoints, not_ready: dict[str, str]) ->
     from kvserve.deploy.ray_endpoints import ray_endpoints, token_hint
 
     ray_ep = ray_endpoints()
-    context = _served_context(cfg)
-    n = cfg.total_workers
+    contexts = [_served_context(name) for name in cfg.router_names()]
+    n = sum(c.total_workers for c in cfg.per_model())
     serving = f"{n - len(not_ready)} of {_workers(cfg)}" if not_ready else _workers(cfg)
-    print(f"kvserve: serving {cfg.model_name()} on {serving}"
-          + (f", context {context} tokens (prompt + max_tokens)" if context else ""))
+    a = cfg.autoscaling
+    scaling = (f", autoscaling {a.min_workers}..{a.max_workers} (delays: up "
+               f"{a.upscale_delay_s:g} s, down {a.downscale_delay_s:g} s)" if a else "")
+    print(f"kvserve: serving {', '.join(cfg.model_names())} on {serving}{scaling}"
+          + _contexts_note(cfg.model_names(), contexts))
     for worker, state in not_ready.items():
         print(f"  {worker:<10} {state}")
     client_tls = ""
@@ -426,17 +436,30 @@ def _workers(cfg: ServeConfig) -> str:
     """"2 worker(s)", or "1 prefill + 2 decode worker(s)"."""
     if cfg.disaggregated:
         return f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+    if cfg.models:  # "3 worker(s) (2 for a, 1 for b)"
+        each = [(c.num_workers, c.model_name()) for c in cfg.per_model()]
+        return (f"{sum(n for n, _ in each)} worker(s) ("
+                + ", ".join(f"{n} for {m}" for n, m in each) + ")")
     return f"{cfg.num_workers} worker(s)"
 
 
-def _served_context(cfg: ServeConfig) -> int | None:
-    """The context the workers serve (the model's, or less where the KV pool holds less)."""
+def _contexts_note(names: list[str], contexts: list[int | None]) -> str:
+    """The banner's context: one model's, or each model's (those known)."""
+    if len(contexts) == 1:
+        return f", context {contexts[0]} tokens (prompt + max_tokens)" if contexts[0] else ""
+    known = [f"{n} {c}" for n, c in zip(names, contexts, strict=True) if c]
+    return f", context {', '.join(known)} tokens (prompt + max_tokens)" if known else ""
+
+
+def _served_context(router_name: str) -> int | None:
+    """The context a model's workers serve (the model's, or less where the KV pool holds
+    less), from its router."""
     import ray
 
     from kvserve.router.lifecycle import find_router
 
     try:
-        router = find_router(cfg.router_name)
+        router = find_router(router_name)
         info = ray.get(router.server_info.remote(), timeout=10) if router is not None else {}
         return int(info["model_info"]["max_model_len"])
     except Exception:  # (the banner goes without it)
@@ -482,12 +505,15 @@ def add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the model on Ray: gRPC + OpenAI HTTP API")
     from kvserve.models import MODEL_HELP
 
-    # appended so a second --model is refused (ServeConfig), never silently the last one
+    # appended: each --model is one more base model (ServeConfig splits the list)
     s.add_argument("--model", action="append", default=None,
-                   help=f"{MODEL_HELP}; one per service")
+                   help=f"{MODEL_HELP}; repeat it to serve several base models, each with "
+                        "its own --workers workers, requests routed by `model` (the first "
+                        "is the default)")
     s.add_argument("--workers", type=int, default=None,
-                   help="worker actors (one engine each; default 1, or none with "
-                        "--prefill-workers and --decode-workers)")
+                   help="worker actors per base model (one engine each; default 1, or none with "
+                        "--prefill-workers and --decode-workers); with autoscaling, the "
+                        "workers it starts with (default: max(1, --min-workers))")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs per worker actor; a fraction (0.5) lets workers share a GPU; "
                         "default: the tensor-parallel size if CUDA else 0")
@@ -560,6 +586,7 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--shutdown-grace-s", type=float, default=120.0,
                    help="on SIGTERM / Ctrl-C, requests in flight get this long to finish "
                         "(then UNAVAILABLE / 503)")
+    add_autoscaling_args(s)
     e = s.add_argument_group("engine")
     e.add_argument("--kv-cache-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None,
@@ -577,6 +604,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's names: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (also "
+                        "prompt_lookup_min/max), or method draft_model with \"model\" (a draft "
+                        "sharing the tokenizer); disable_by_batch_size turns it off for steps "
+                        "with that many running streams")
     lo = s.add_argument_group("LoRA adapters")
     lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                     help="a PEFT LoRA adapter (directory or Hub id) served as model NAME "
@@ -617,9 +650,15 @@ def config_from_args(a: Any) -> ServeConfig:
     from pydantic import ValidationError
 
     try:
-        return _serve_config(a, engine, gpus, role_gpus)
+        autoscaling = autoscaling_from_args(a)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return _serve_config(a, engine, gpus, role_gpus, autoscaling)
     except ValidationError as e:  # one line, as the other start-up errors
         raise ConfigError("; ".join(_error_line(err) for err in e.errors())) from None
+    except ValueError as e:  # --speculative-config's JSON
+        raise ConfigError(str(e)) from None
 
 
 def _error_line(err: Any) -> str:
@@ -629,7 +668,8 @@ def _error_line(err: Any) -> str:
 
 
 def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
-                  role_gpus: dict[str, float | None]) -> ServeConfig:
+                  role_gpus: dict[str, float | None],
+                  autoscaling: dict[str, Any] | None) -> ServeConfig:
     roles: dict[str, Any] = {}
     if a.prefill_workers or a.decode_workers:
         roles = {"prefill_workers": a.prefill_workers, "decode_workers": a.decode_workers,
@@ -648,8 +688,12 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
         if a.disagg_min_prompt_tokens is not None or a.disagg_failure_policy != "recompute":
             raise ConfigError("--disagg-min-prompt-tokens and --disagg-failure-policy need "
                               "--prefill-workers and --decode-workers")
+    # an unset --workers stays unset: with autoscaling the pool starts at its minimum, with
+    # prefill and decode workers there are no mixed ones
     if a.workers is not None:
         roles["num_workers"] = a.workers
+    if autoscaling is not None:
+        roles["autoscaling"] = autoscaling  # (refused with prefill and decode workers)
     return ServeConfig(
         **roles, num_gpus_per_worker=gpus, model=a.model,
         tensor_parallel_size=a.tensor_parallel_size,
@@ -662,4 +706,5 @@ def _serve_config(a: Any, engine: dict[str, Any], gpus: float,
         loras=list(a.lora), enable_lora=a.enable_lora, max_loras=a.max_loras,
         max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras,
         wait_for_all_workers=a.wait_for_all_workers, placement_timeout_s=a.placement_timeout_s,
+        speculative_config=a.speculative_config,
     )

@@ -74,7 +74,8 @@ class Result:
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig, router: Any = None) -> None:
+    def __init__(self, cfg: ServeConfig, router: Any = None,
+                 placement_checked: bool = False) -> None:
         self.cfg = cfg
         self.model_name = cfg.model_name()
         self.api_keys = frozenset(cfg.resolved_api_keys())
@@ -82,8 +83,8 @@ class Service:
         self.tokenizer = load_tokenizer(resolve_model(cfg.model, tokenizer_only=True))
         # the call format of the model's template (tool_choice auto)
         self.tool_parser = for_template(self.tokenizer.chat_template, marker_tokens(self.tokenizer))
-        if router is None:  # workers no node can ever hold fail here, not in a silent wait
-            check_placement(cfg)
+        if router is None and not placement_checked:
+            check_placement(cfg)  # workers no node can ever hold fail here, not in a silent wait
         self.router = router or get_or_create_router(cfg.router_config(), cfg.router_name)
         self.workers: list[Any] = []
         self.epoch = ""
@@ -101,6 +102,8 @@ class Service:
         self.stopping: str | None = None
         # LoRA adapters by name, as the router last listed them (their KV hash roots)
         self.loras: dict[str, dict[str, Any]] = {}
+        # the other base models' names, where a service serves several: no adapter takes one
+        self.other_models: frozenset[str] = frozenset()
 
     async def start(self) -> None:
         info = await self.router.ready.remote(self.cfg.wait_for_all_workers)
@@ -163,9 +166,9 @@ class Service:
         """Load a LoRA adapter on every worker (all or none); ServiceError "invalid" for a
         bad adapter or name."""
         if not name or not isinstance(name, str) or ":" in name or name in (
-                self.model_name, "default"):
+                self.model_name, "default", *self.other_models):
             raise ServiceError("invalid", f"lora_name {name!r}: a LoRA adapter needs a name "
-                                          "other than the base model's, without ':'")
+                                          "other than the base models', without ':'")
         if not path:
             raise ServiceError("invalid", "lora_path is required")
         res = await self._router_call("load_lora", name, path)
@@ -303,8 +306,9 @@ class Service:
             sent = 0
             try:
                 if slot.epoch != self.epoch or slot.idx >= len(self.workers):
-                    # the router was restarted with new workers, or started more
-                    await self.router.ready.remote(self.cfg.wait_for_all_workers)
+                    # the router was restarted with new workers, or started more: their
+                    # handles (the chosen worker is ready; new ones still loading are not
+                    # waited for)
                     await self._refresh_workers()
                 # follows the request when the router moves its stream to another worker
                 relay = StreamRelay(self.workers, slot.idx, req.request_id,
@@ -378,13 +382,16 @@ class Service:
 
         While the router restarts, or no worker is up (a restart under way), it asks again
         for up to `unavailable_wait_s`: a request that has no token yet waits for the
-        service to come back rather than failing."""
+        service to come back rather than failing. An autoscaled pool with no worker serving
+        holds the pick in the router's queue while one starts; its refusal (with a retry
+        time) is final."""
         deadline = time.monotonic() + self.cfg.unavailable_wait_s
         while True:
             try:
                 slot = await self._pick_once(hashes, req, tried, leases)
             except ServiceError as e:
-                if e.kind != "unavailable" or time.monotonic() >= deadline:
+                if (e.kind != "unavailable" or e.retry_after is not None
+                        or time.monotonic() >= deadline):
                     raise
             else:
                 if slot is not None or time.monotonic() >= deadline:
@@ -418,7 +425,7 @@ class Service:
                 return None
             if pick["error"] == "not_found":  # an adapter unloaded since this replica looked
                 self.loras.pop(req.lora or "", None)
-            raise ServiceError(pick["error"], pick["message"])
+            raise ServiceError(pick["error"], pick["message"], pick.get("retry_after"))
         # no await from the pick's answer to here: the slot is registered before any cancel
         slot = Slot(self.router, pick, req.request_id, self.live)
         if leases is not None:

@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 class StartupStates:
     PERIOD_S = 2.0
 
-    def __init__(self, router_name: str) -> None:
-        self.router_name = router_name
+    def __init__(self, router_name: str | list[tuple[str, str]]) -> None:
+        # one router, or (model, router) pairs: several base models, their workers named
+        # "model/worker-i"
+        self.routers = [("", router_name)] if isinstance(router_name, str) else router_name
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="startup-states", daemon=True)
         self._shown: dict[str, str] = {}
@@ -74,12 +76,13 @@ class StartupStates:
 
         if not ray.is_initialized():
             return
-        router = find_router(self.router_name)
-        if router is None:
-            return
-        for w in ray.get(router.server_info.remote(), timeout=10)["workers"]:
-            state = w["state"]
-            new = self._shown.get(w["worker_id"]) != state
-            if new and (state != "ready" or self._serving) and not quiet:
-                print(f"kvserve: {w['worker_id']}: {state}", flush=True)
-            self._shown[w["worker_id"]] = state
+        for model, name in self.routers:
+            router = find_router(name)
+            if router is None:
+                continue
+            for w in ray.get(router.server_info.remote(), timeout=10)["workers"]:
+                state, wid = w["state"], f"{model}/{w['worker_id']}" if model else w["worker_id"]
+                new = self._shown.get(wid) != state
+                if new and (state != "ready" or self._serving) and not quiet:
+                    print(f"kvserve: {wid}: {state}", flush=True)
+                self._shown[wid] = state

@@ -74,6 +74,9 @@ class StreamStep:
     resume: ParkedKV | None = None  # a parked stream coming back: its host tail is usable
     pending: int = 0  # sampled tokens past `token_ids` still on the device (async scheduling)
     use_host: bool = True  # False: what the host holds is recomputed (cheaper than a copy)
+    # proposed tokens past `token_ids` (speculative decoding): the step computes their KV and
+    # their logits too; `accept_drafts` keeps the accepted ones after the step
+    draft: list[int] = field(default_factory=list)
     # the root of the stream's block hash chain: 0 for the base model, its LoRA adapter's
     # otherwise, so KV computed under one adapter is never shared with another or the base
     root: int = ROOT_HASH
@@ -103,6 +106,7 @@ class PlannedStream:
     host_tokens: int = 0  # tokens of `start` served from host by copy
     slot: int = -1  # row of `block_ids` in the persistent block-table array
     state: StreamState | None = None  # the stream's state (set once reserved)
+    drafts: int = 0  # positions at the end of the step that hold proposed tokens
     root: int = ROOT_HASH  # a new stream's hash-chain root (its adapter's)
 
 
@@ -115,6 +119,7 @@ class StepPlan:
     restores: list[PlannedStream] = field(default_factory=list)  # new streams with host_in
     num_tokens: int = 0  # tokens the step computes (sum of target - start)
     publish: list[PlannedStream] = field(default_factory=list)  # streams that fill a block
+    num_drafts: int = 0  # proposed tokens among `num_tokens` (speculative decoding)
 
 
 # The empty new_blocks/cached_blocks/host_in of a running stream's plan (never mutated: rollback and
@@ -267,6 +272,7 @@ class KVCacheManager:
         revived: set[int] = set()
         need_new = 0
         num_tokens = 0
+        num_drafts = 0
         token_ids: dict[str, list[int]] = {}
         for st in steps:
             sid = st.stream_id
@@ -278,10 +284,17 @@ class KVCacheManager:
             if state is not None:  # a running stream: the path every decode step takes
                 start = state.num_computed
                 p = state.plan
+                draft = st.draft
+                if draft:  # its proposals are inputs of the step, never hashed (commit)
+                    if st.pending:
+                        raise ValueError(f"stream {sid!r}: proposals after a token on the device")
+                    toks = token_ids[sid] = toks + draft
+                    num_drafts += len(draft)
                 if not start < target <= len(toks) + st.pending or p is None or p.is_new:
-                    p = self._running_plan(state, st)
+                    p = self._running_plan(state, st, toks)
                 p.start = start
                 p.target = target
+                p.drafts = len(draft)
                 num_tokens += target - start
                 n_new = -(-target // bs) - len(state.block_ids)
                 if n_new > 0:
@@ -303,8 +316,9 @@ class KVCacheManager:
                 raise ValueError(f"target {target} outside 1..{len(toks)}")
             if sid in self.held:
                 raise ValueError(f"stream {sid!r} is still being written back")
-            if st.pending:
-                raise ValueError(f"new stream {sid!r} cannot have tokens on the device")
+            if st.pending or st.draft:
+                raise ValueError(f"new stream {sid!r} cannot have tokens on the device or "
+                                 "proposals")
             if self.blocks_needed(target) > width:
                 raise ValueError(f"stream {sid!r}: {target} tokens exceed the {width}-block table")
             hit = self.lookup_prefix(st.token_ids, target - 1, st.resume, st.use_host, st.root)
@@ -367,13 +381,17 @@ class KVCacheManager:
                 ids.extend(new)
                 p.new_blocks = new
         demoted, self._demoted = self._demoted, []
-        return StepPlan(planned, token_ids, demoted, tables, restores, num_tokens, publish)
+        return StepPlan(planned, token_ids, demoted, tables, restores, num_tokens, publish,
+                        num_drafts)
 
-    def _running_plan(self, state: StreamState, st: StreamStep) -> PlannedStream:
+    def _running_plan(self, state: StreamState, st: StreamStep,
+                      toks: list[int]) -> PlannedStream:
         """Check a running stream's step; its plan object (made on its first running step)."""
         sid, target, start = st.stream_id, st.target, state.num_computed
-        if not 0 < target <= len(st.token_ids) + st.pending:
-            raise ValueError(f"target {target} outside 1..{len(st.token_ids) + st.pending}")
+        if not 0 < target <= len(toks) + st.pending:
+            raise ValueError(f"target {target} outside 1..{len(toks) + st.pending}")
+        if st.draft and target != len(toks):
+            raise ValueError(f"stream {sid!r}: a step with proposals computes all of them")
         if target <= start:
             raise ValueError(f"stream {sid!r}: target {target} <= computed {start}")
         p = state.plan
@@ -397,7 +415,9 @@ class KVCacheManager:
         for p in plan.publish:  # most decode steps fill no block: nothing to hash
             state: StreamState = p.state  # type: ignore[assignment]
             tokens = plan.token_ids[p.stream_id]
-            full = min(p.target, len(tokens)) // bs  # a token still on the device: hashed later
+            # a token still on the device is hashed later; proposals never are (the ones
+            # kept were accepted first: `accept_drafts`)
+            full = min(p.target, len(tokens) - p.drafts) // bs
             parent = state.block_hashes[-1] if state.block_hashes else state.root
             for b in range(len(state.block_hashes), full):
                 parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
@@ -413,6 +433,48 @@ class KVCacheManager:
             first_key = p.target - window + 1
             if first_key >= (state.num_dropped + 1) * bs and self.streams.get(p.stream_id) is state:
                 self._drop_unreachable(state, first_key)
+
+    def accept_drafts(self, plan: StepPlan, p: PlannedStream, accepted: int) -> None:
+        """After a step with proposals and before its commit: keep the KV of the first
+        `accepted` of the stream's `p.drafts` proposed positions; the rest is rolled back (the
+        stream's computed length goes back, blocks past it return to the pool) and so is never
+        hashed into the prefix cache nor written to the host tier."""
+        rejected = p.drafts - accepted
+        if not 0 <= accepted <= p.drafts:
+            raise ValueError(f"stream {p.stream_id!r}: {accepted} of {p.drafts} proposals")
+        p.drafts = 0
+        plan.num_drafts -= accepted + rejected
+        if rejected == 0:
+            return
+        state: StreamState = p.state  # type: ignore[assignment]
+        keep = p.target - rejected
+        p.target = state.num_computed = keep
+        del plan.token_ids[p.stream_id][keep:]  # the step's own copy (`reserve`)
+        spare = len(state.block_ids) - self.blocks_needed(keep)
+        if spare > 0:  # only blocks this step took lie wholly past the kept positions
+            blocks = state.block_ids[-spare:]
+            del state.block_ids[-spare:]
+            self.pool.unallocate(blocks)
+            p.new_blocks = p.new_blocks[: len(p.new_blocks) - spare]
+            p.num_new_blocks = len(p.new_blocks)
+
+    def truncate(self, stream_id: str, num_tokens: int) -> None:
+        """Cut a running stream's KV back to its first `num_tokens` tokens (a draft model's
+        stream whose proposals were not all accepted): blocks past them return to the pool.
+        The cut must leave every block published to the prefix cache whole."""
+        state = self.streams[stream_id]
+        if num_tokens >= state.num_computed:
+            return
+        if num_tokens < len(state.block_hashes) * self.block_size:
+            raise ValueError(f"stream {stream_id!r}: cutting to {num_tokens} tokens would "
+                             "change a block in the prefix cache")
+        state.num_computed = num_tokens
+        need = max(self.blocks_needed(num_tokens), state.num_dropped)
+        spare = state.block_ids[need:]
+        if spare:
+            del state.block_ids[need:]
+            self.pool.release(reversed(spare))
+        state.plan = None
 
     def _drop_unreachable(self, state: StreamState, first_key: int) -> None:
         """Release the blocks wholly before `first_key`. Full ones were published above, so

@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="devices the engine spans (one rank process per device)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s names: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' or method draft_model with "model"')
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -49,6 +52,7 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_tokens": a.kv_cache_tokens, "block_size": a.block_size, "dtype": a.dtype,
         "device": a.device, "max_model_len": a.max_model_len, "num_threads": a.threads,
         "tensor_parallel_size": a.tensor_parallel_size,
+        "speculative_config": a.speculative_config,
     }
     return {k: v for k, v in keys.items() if v is not None}
 

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvserve.speculative import SpeculativeConfig, parse_speculative_config
+
 
 class EngineConfig(BaseModel):
     """Settings of one engine (one model on one device)."""
@@ -93,6 +95,18 @@ class EngineConfig(BaseModel):
         None, ge=1, description="LoRA adapters kept in host memory (least recently used dropped "
         "beyond it; never one with live requests); None = 4 x max_loras",
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding (vLLM's names: method ngram|draft_model, "
+        "num_speculative_tokens, prompt_lookup_min/max, model, disable_by_batch_size); "
+        "a dict or its JSON text; None = off",
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: object) -> object:
+        if isinstance(v, str):
+            return parse_speculative_config(v)
+        return v
 
     @field_validator("device")
     @classmethod
@@ -117,6 +131,19 @@ class EngineConfig(BaseModel):
         if bad:
             raise ValueError(f"LoRA adapter name {bad[0]!r}: names must be non-empty, not "
                              "'default', without ':'")
+        spec = self.speculative_config
+        if spec is not None:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not available with speculative decoding: "
+                                 "a step's proposals need the tokens of the step before on the "
+                                 "host")
+            if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError("a draft model runs on one device: speculative method "
+                                 "'draft_model' is not available with tensor_parallel_size > 1 "
+                                 "(method 'ngram' is)")
+            if self.lora_enabled:
+                raise ValueError("speculative decoding is not available with LoRA adapters: "
+                                 "proposals are not verified under a stream's adapter yet")
         return self
 
     @property
@@ -141,6 +168,8 @@ class EngineConfig(BaseModel):
     def resolved_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.speculative_config is not None:
+            return False  # proposals need the last step's tokens on the host
         return self.resolved_device().startswith("cuda") and self.tensor_parallel_size == 1
 
     def rank_threads(self) -> int:

@@ -411,7 +411,7 @@ class StreamInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url", "max_model_len")
+    __slots__ = ("version", "model", "workers", "routing_policy", "metrics_port", "dashboard_url", "max_model_len", "autoscaling", "models")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,8 @@ class GetServerInfoResponse(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     DASHBOARD_URL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALING_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     version: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -426,15 +428,103 @@ class GetServerInfoResponse(_message.Message):
     metrics_port: int
     dashboard_url: str
     max_model_len: int
-    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., metrics_port: _Optional[int] = ..., dashboard_url: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    autoscaling: AutoscalingInfo
+    models: _containers.RepeatedCompositeFieldContainer[ModelServerInfo]
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., metrics_port: _Optional[int] = ..., dashboard_url: _Optional[str] = ..., max_model_len: _Optional[int] = ..., autoscaling: _Optional[_Union[AutoscalingInfo, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelServerInfo, _Mapping]]] = ...) -> None: ...
+
+class ModelServerInfo(_message.Message):
+    __slots__ = ("model", "root", "max_model_len", "routing_policy", "workers", "autoscaling", "loras")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALING_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    root: str
+    max_model_len: int
+    routing_policy: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    autoscaling: AutoscalingInfo
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., root: _Optional[str] = ..., max_model_len: _Optional[int] = ..., routing_policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., autoscaling: _Optional[_Union[AutoscalingInfo, _Mapping]] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AutoscalingInfo(_message.Message):
+    __slots__ = ("enabled", "min_workers", "max_workers", "desired_workers", "serving_workers", "starting_workers", "draining_workers", "queued_requests", "reason", "detail", "pending_direction", "pending_in_s", "signals", "decisions", "cold_starts", "upscale_delay_s", "downscale_delay_s")
+    class SignalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STARTING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_IN_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    COLD_STARTS_FIELD_NUMBER: _ClassVar[int]
+    UPSCALE_DELAY_S_FIELD_NUMBER: _ClassVar[int]
+    DOWNSCALE_DELAY_S_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    min_workers: int
+    max_workers: int
+    desired_workers: int
+    serving_workers: int
+    starting_workers: int
+    draining_workers: int
+    queued_requests: int
+    reason: str
+    detail: str
+    pending_direction: str
+    pending_in_s: float
+    signals: _containers.ScalarMap[str, float]
+    decisions: _containers.ScalarMap[str, int]
+    cold_starts: _containers.RepeatedCompositeFieldContainer[ColdStart]
+    upscale_delay_s: float
+    downscale_delay_s: float
+    def __init__(self, enabled: _Optional[bool] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., desired_workers: _Optional[int] = ..., serving_workers: _Optional[int] = ..., starting_workers: _Optional[int] = ..., draining_workers: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., pending_direction: _Optional[str] = ..., pending_in_s: _Optional[float] = ..., signals: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., cold_starts: _Optional[_Iterable[_Union[ColdStart, _Mapping]]] = ..., upscale_delay_s: _Optional[float] = ..., downscale_delay_s: _Optional[float] = ...) -> None: ...
+
+class ColdStart(_message.Message):
+    __slots__ = ("worker_id", "reason", "cold_start_s", "pressure_to_serving_s", "load_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COLD_START_S_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_TO_SERVING_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    cold_start_s: float
+    pressure_to_serving_s: float
+    load_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., cold_start_s: _Optional[float] = ..., pressure_to_serving_s: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "timeout_s")
+    __slots__ = ("worker_id", "timeout_s", "model")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     timeout_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    model: str
+    def __init__(self, worker_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DrainWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "streams_moved", "drained", "sessions_moved")
@@ -449,14 +539,16 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., streams_moved: _Optional[int] = ..., drained: _Optional[bool] = ..., sessions_moved: _Optional[int] = ...) -> None: ...
 
 class MoveStreamRequest(_message.Message):
-    __slots__ = ("request_id", "worker_id", "stop_and_copy")
+    __slots__ = ("request_id", "worker_id", "stop_and_copy", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_AND_COPY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     stop_and_copy: bool
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., stop_and_copy: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., stop_and_copy: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MoveStreamResponse(_message.Message):
     __slots__ = ("request_id", "from_worker", "to_worker", "method", "stall_ms", "bytes", "rounds")

@@ -25,6 +25,8 @@ class RouterConfig:
     # a worker Ray has not placed this long after its start is stopped and reported failed
     placement_timeout_s: float = 900.0
     migration: dict[str, Any] = field(default_factory=dict)  # a MigrationConfig as a dict
+    # an AutoscalingConfig as a dict ({}: off, a fixed pool of num_workers)
+    autoscaling: dict[str, Any] = field(default_factory=dict)
     # per worker index: EngineConfig fields that differ from `engine` (e.g. a smaller pool)
     engine_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     # disaggregated serving: each worker's role (mixed, prefill, decode; empty: all mixed),
@@ -34,6 +36,9 @@ class RouterConfig:
     role_engine: dict[str, dict[str, Any]] = field(default_factory=dict)
     role_gpus: dict[str, float] = field(default_factory=dict)
     disagg: dict[str, Any] = field(default_factory=dict)
+    # workers of every base model of the service (several models: their routers' workers
+    # share the node's CPU cores); 0 = this router's own
+    cpu_share_workers: int = 0
 
     def role_of(self, idx: int) -> str:
         return self.roles[idx] if idx < len(self.roles) else "mixed"
@@ -49,9 +54,12 @@ class RouterConfig:
             # one without runs on the CPU even on a CUDA host, rather than on a GPU it was
             # not given
             engine["device"] = "cuda" if self.num_gpus_per_worker > 0 else "cpu"
-        # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1)
+        # Left alone, a Ray actor runs torch with OMP_NUM_THREADS = its num_cpus (1); an
+        # autoscaled pool shares the cores as its largest size would
         if engine.get("num_threads") is None and self.num_gpus_per_worker == 0:
-            engine["num_threads"] = max(1, node_cores // self.num_workers)
+            most = max(self.num_workers, int(self.autoscaling.get("max_workers", 0)),
+                       self.cpu_share_workers)
+            engine["num_threads"] = max(1, node_cores // most)
         return engine
 
     def engine_of(self, idx: int, engine: dict[str, Any]) -> dict[str, Any]:
@@ -71,10 +79,11 @@ class RouterConfig:
         return _digest(self.to_dict())
 
     def shape_digest(self) -> str:
-        """Names this configuration but for its worker count: a router whose shape matches
-        a deployment's is resized to it (drains the workers it loses, starts the ones it
-        gains) rather than replaced."""
-        return _digest({k: v for k, v in self.to_dict().items() if k != "num_workers"})
+        """Names this configuration but for its worker count and autoscaling settings: a
+        router whose shape matches a deployment's is resized to it (drains the workers it
+        loses, starts the ones it gains) or given its new bounds, rather than replaced."""
+        return _digest({k: v for k, v in self.to_dict().items()
+                        if k not in ("num_workers", "autoscaling")})
 
 
 def _digest(d: dict[str, Any]) -> str:

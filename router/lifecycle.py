@@ -21,6 +21,7 @@ from kvserve.router.router import NAMESPACE, ROUTER_NAME, RouterActor, worker_ac
 log = logging.getLogger(__name__)
 
 NAME_FREE_TIMEOUT_S = 60.0  # how long a killed router's name may take to be released
+STOP_WORKERS_TIMEOUT_S = 30.0  # a router about to be killed stops its workers within this
 # The router runs on the head node, which lives as long as the cluster: on a worker node
 # that is lost (scaled down, pre-empted) it would die, and its restart would start new
 # workers, dropping every stream and cache. Ray gives every head node this resource.
@@ -50,10 +51,12 @@ def get_or_create_router(router_config: RouterConfig, name: str = ROUTER_NAME) -
             if ray.get(old.config_digest.remote(), timeout=120) == digest:
                 return old
             if ray.get(old.shape_digest.remote(), timeout=120) == router_config.shape_digest():
-                res = ray.get(old.resize.remote(router_config.num_workers), timeout=120)
-                log.warning("router: the worker count changed to %d; draining workers %s, "
-                            "started workers %s", router_config.num_workers, res["draining"],
-                            res["started"])
+                res = ray.get(old.resize.remote(router_config.num_workers,
+                                                router_config.autoscaling), timeout=120)
+                log.warning("router: the worker count or autoscaling changed (%d workers, "
+                            "autoscaling %s); draining workers %s, started workers %s",
+                            router_config.num_workers, router_config.autoscaling or "off",
+                            res["draining"], res["started"])
                 return old
             log.warning("router: the configuration changed; replacing the router and its workers")
         except (RayActorError, ray.exceptions.GetTimeoutError):
@@ -74,6 +77,10 @@ def kill_router(name: str = ROUTER_NAME) -> bool:
     router = find_router(name)
     if router is None:
         return False
+    try:  # its workers' placement groups go first (best effort: the router may be stuck)
+        ray.get(router.stop_workers.remote(), timeout=STOP_WORKERS_TIMEOUT_S)
+    except Exception as e:
+        log.warning("router %s did not stop its workers (%s); killing it", name, e)
     ray.kill(router, no_restart=True)
     for w in worker_names(name):
         try:

@@ -1,9 +1,14 @@
-"""The router's Prometheus metrics, exported through `ray.util.metrics` (tag: the policy).
+"""The router's Prometheus metrics, exported through `ray.util.metrics` (tags: the policy,
+and the served model, one router per base model).
 
 `kvserve_router_decisions` counts each successful pick by kind: the policy's "prefix"
 decisions are split by where the matched prefix lives, `device_affinity` when the chosen
 worker holds all of it in device memory (or had it routed there just now), else
 `host_affinity` (some of it is only in its host tier).
+
+The autoscaling series: the workers the policy wants and those there are (serving, starting,
+draining), its decisions by direction and reason, the requests waiting for a worker while
+none serves, and each new worker's cold start (from the decision to its first poll as ready).
 
 The migration series count, per worker, the streams and snapshot bytes moved in and out,
 the moves that failed on their target, the sessions re-pinned there, and its drain state.
@@ -11,6 +16,7 @@ the moves that failed on their target, the sessions re-pinned there, and its dra
 
 from __future__ import annotations
 
+from kvserve.router.autoscale import DOWN_REASONS, UP_REASONS
 from kvserve.router.policy import Decision, WorkerView
 from kvserve.workers.metrics import zero
 
@@ -22,6 +28,9 @@ POLICY_KINDS = {
     "least_loaded": ("least_loaded",),
     "round_robin": ("round_robin",),
 }
+
+# every router series: its base model and routing policy (one router per base model)
+ROUTER_TAGS = ("model", "policy")
 
 
 def decision_kind(d: Decision, chosen: WorkerView, block_hashes: list[int]) -> str:
@@ -40,24 +49,25 @@ HANDOFF_BUCKETS = (0.001, 0.0025, *STALL_BUCKETS)
 
 
 class RouterMetrics:
-    def __init__(self, policy: str, worker_ids: list[str] = ()) -> None:
+    def __init__(self, policy: str, worker_ids: list[str] = (), model: str = "") -> None:
         from ray.util.metrics import Counter, Gauge
 
-        tags = {"policy": policy}
+        tags = {"policy": policy, "model": model}
         self.decisions = Counter(
             "kvserve_router_decisions", "successful routing decisions, by kind",
-            tag_keys=("policy", "kind")).set_default_tags(tags)
+            tag_keys=(*ROUTER_TAGS, "kind")).set_default_tags(tags)
         self.retries = Counter(
             "kvserve_router_retries",
             "picks for a request whose earlier worker died before its first token",
-            tag_keys=("policy",)).set_default_tags(tags)
+            tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.alive = Gauge("kvserve_router_workers_alive", "workers the router routes to",
-                           tag_keys=("policy",)).set_default_tags(tags)
+                           tag_keys=ROUTER_TAGS).set_default_tags(tags)
         for kind in POLICY_KINDS.get(policy, ()):
             zero(self.decisions, {"kind": kind})
         zero(self.retries)
-        self.migration = MigrationMetrics(policy, list(worker_ids))
-        self.disagg = DisaggMetrics(policy)
+        self.migration = MigrationMetrics(policy, list(worker_ids), model)
+        self.disagg = DisaggMetrics(policy, model)
+        self.autoscaler = AutoscalerMetrics(policy, model)
 
     def picked(self, d: Decision, chosen: WorkerView, block_hashes: list[int], retry: bool) -> None:
         self.decisions.inc(tags={"kind": decision_kind(d, chosen, block_hashes)})
@@ -69,6 +79,7 @@ class RouterMetrics:
         value once per report, so one set once at start would vanish)."""
         self.alive.set(sum(v.alive for v in views))
         self.migration.refresh()
+        self.autoscaler.refresh()
 
 
 
@@ -76,24 +87,24 @@ class DisaggMetrics:
     """Disaggregated serving: hand-offs by outcome, their time and bytes, and the requests
     prefilled where they decode, by reason (router/disagg.py)."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, model: str = "") -> None:
         from ray.util.metrics import Counter, Histogram
 
-        tags = {"policy": policy}
+        tags = {"policy": policy, "model": model}
         self.handoffs = Counter(
             "kvserve_disagg_handoffs", "streams handed from a prefill to a decode worker, by "
             "outcome (moved, recomputed, failed, kept, finished, gone)",
-            tag_keys=("policy", "outcome")).set_default_tags(tags)
+            tag_keys=(*ROUTER_TAGS, "outcome")).set_default_tags(tags)
         self.seconds = Histogram(
             "kvserve_disagg_handoff_seconds", "time a handed-off stream ran on neither worker "
             "(freeze, copy, commit, release)", boundaries=list(HANDOFF_BUCKETS),
-            tag_keys=("policy",)).set_default_tags(tags)
+            tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.bytes = Histogram(
             "kvserve_disagg_handoff_bytes", "KV bytes of a hand-off",
-            boundaries=list(BYTE_BUCKETS), tag_keys=("policy",)).set_default_tags(tags)
+            boundaries=list(BYTE_BUCKETS), tag_keys=ROUTER_TAGS).set_default_tags(tags)
         self.local = Counter(
             "kvserve_disagg_local_prefills", "requests of a disaggregated deployment prefilled "
-            "where they decode, by reason", tag_keys=("policy", "reason")).set_default_tags(tags)
+            "where they decode, by reason", tag_keys=(*ROUTER_TAGS, "reason")).set_default_tags(tags)
         self.zero()
 
     def zero(self) -> None:
@@ -121,34 +132,34 @@ ROUND_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 class MigrationMetrics:
     """Stream and session moves and drains, per worker (the mover records them)."""
 
-    def __init__(self, policy: str, worker_ids: list[str]) -> None:
+    def __init__(self, policy: str, worker_ids: list[str], model: str = "") -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        tags = {"policy": policy}
-        keys = ("policy", "worker", "direction")
+        tags = {"policy": policy, "model": model}
+        keys = (*ROUTER_TAGS, "worker", "direction")
         self.streams = Counter("kvserve_migration_streams", "streams moved, by worker and "
                                "direction", tag_keys=keys).set_default_tags(tags)
         self.bytes = Counter("kvserve_migration_bytes", "stream snapshot bytes moved, by worker "
                              "and direction", tag_keys=keys).set_default_tags(tags)
         self.failures = Counter("kvserve_migration_failures", "moves that failed on their "
                                 "target worker (the stream went back to its source)",
-                                tag_keys=("policy", "worker")).set_default_tags(tags)
+                                tag_keys=(*ROUTER_TAGS, "worker")).set_default_tags(tags)
         self.sessions = Counter("kvserve_migration_sessions", "sessions re-pinned to a worker, "
                                 "their host-cached prefix with them",
-                                tag_keys=("policy", "worker")).set_default_tags(tags)
+                                tag_keys=(*ROUTER_TAGS, "worker")).set_default_tags(tags)
         self.draining = Gauge("kvserve_worker_draining", "0 serving, 1 draining, 2 drained",
-                              tag_keys=("policy", "worker")).set_default_tags(tags)
+                              tag_keys=(*ROUTER_TAGS, "worker")).set_default_tags(tags)
         self.moves = Counter("kvserve_stream_moves", "stream moves by reason (rebalance, drain, "
                              "operator, parked), method (live, snapshot) and outcome (moved, "
-                             "refused, failed)", tag_keys=("policy", *MOVE_KEYS)
+                             "refused, failed)", tag_keys=(*ROUTER_TAGS, *MOVE_KEYS)
                              ).set_default_tags(tags)
         self.stall = Histogram("kvserve_stream_move_stall_seconds", "time a moved stream ran "
                                "on neither worker, by method (live: the final stage)",
-                               boundaries=list(STALL_BUCKETS), tag_keys=("policy", "method")
+                               boundaries=list(STALL_BUCKETS), tag_keys=(*ROUTER_TAGS, "method")
                                ).set_default_tags(tags)
         self.rounds = Histogram("kvserve_stream_move_rounds", "copy rounds of a live move "
                                 "(pre-copy rounds and the final stage)",
-                                boundaries=list(ROUND_BUCKETS), tag_keys=("policy",)
+                                boundaries=list(ROUND_BUCKETS), tag_keys=ROUTER_TAGS
                                 ).set_default_tags(tags)
         for reason in MOVE_REASONS:
             for method in ("live", "snapshot"):
@@ -198,3 +209,65 @@ class MigrationMetrics:
     def refresh(self) -> None:
         for w, state in self.states.items():
             self.draining.set(DRAIN_STATES[state], tags={"worker": w})
+
+
+POOL_STATES = ("serving", "starting", "draining")
+
+
+class AutoscalerMetrics:
+    """The pool's size as the autoscaling policy wants it and as it is, and its decisions."""
+
+    def __init__(self, policy: str, model: str = "") -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        tags = {"policy": policy, "model": model}
+        self.desired = Gauge("kvserve_autoscaler_desired_workers", "workers the autoscaling "
+                             "policy wants (the fixed count when it is off)",
+                             tag_keys=ROUTER_TAGS).set_default_tags(tags)
+        self.workers = Gauge("kvserve_autoscaler_workers", "workers by state: serving, "
+                             "starting (waiting for resources included), draining",
+                             tag_keys=(*ROUTER_TAGS, "state")).set_default_tags(tags)
+        self.queued = Gauge("kvserve_autoscaler_queued_requests", "requests waiting at the "
+                            "router for a worker while none serves", tag_keys=ROUTER_TAGS
+                            ).set_default_tags(tags)
+        self.decisions = Counter("kvserve_autoscaler_decisions", "pool size changes the "
+                                 "autoscaling policy made, by direction and reason",
+                                 tag_keys=(*ROUTER_TAGS, "direction", "reason")
+                                 ).set_default_tags(tags)
+        # gauges, not a histogram: a histogram is exported only once observed, and starts
+        # are rare; each start sets them (0 until one)
+        self.cold_start = Gauge("kvserve_autoscaler_cold_start_seconds", "the latest worker "
+                                "the policy started: from the decision to its serving "
+                                "(placement, start, model load)", tag_keys=ROUTER_TAGS
+                                ).set_default_tags(tags)
+        self.pressure = Gauge("kvserve_autoscaler_pressure_to_serving_seconds", "the latest "
+                              "worker the policy started: from the first poll that wanted it "
+                              "to its serving", tag_keys=ROUTER_TAGS).set_default_tags(tags)
+        for reason in UP_REASONS:
+            zero(self.decisions, {"direction": "up", "reason": reason})
+        for reason in DOWN_REASONS:
+            zero(self.decisions, {"direction": "down", "reason": reason})
+        self.values: dict[str, float] = {"desired": 0, "queued": 0, "cold_start": 0.0,
+                                         "pressure": 0.0, **{s: 0 for s in POOL_STATES}}
+        self.refresh()
+
+    def pool(self, desired: int, counts: dict[str, int], queued: int) -> None:
+        self.values.update(desired=desired, queued=queued, **counts)
+        self.refresh()
+
+    def decided(self, direction: str, reason: str) -> None:
+        self.decisions.inc(tags={"direction": direction, "reason": reason})
+
+    def started(self, cold_start_s: float, pressure_s: float) -> None:
+        self.values.update(cold_start=cold_start_s, pressure=pressure_s)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re-)export the gauges: Ray reports a gauge's value once per period."""
+        v = self.values
+        self.desired.set(v["desired"])
+        self.queued.set(v["queued"])
+        self.cold_start.set(v["cold_start"])
+        self.pressure.set(v["pressure"])
+        for s in POOL_STATES:
+            self.workers.set(v.get(s, 0), tags={"state": s})

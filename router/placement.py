@@ -38,6 +38,8 @@ class PlacementProbe(Protocol):
 
     def queued_shapes(self) -> Sequence[tuple[Mapping[str, float], int]]: ...
 
+    def fits_anywhere(self, shape: Mapping[str, float]) -> bool: ...
+
 
 @dataclass
 class Tracked:
@@ -96,6 +98,10 @@ class PlacementWatch:
             for shape in {_key(t.bundle) for t in plain}:
                 same = [t for t in plain if _key(t.bundle) == shape]
                 n = sum(c for s, c in queued if _key(s) == shape)
+                if n < len(same) and not probe.fits_anywhere(same[0].bundle):
+                    # no node has the shape free: none of them can be starting (Ray's report
+                    # of queued requests leaves some out at times, and lags)
+                    n = len(same)
                 waiting |= {t.idx for t in same[len(same) - min(n, len(same)):]}
         for t in unplaced:
             what = WAITING + format_resources(t.bundle) + (" on one node" if t.group else "")
@@ -136,10 +142,21 @@ class RayProbe:
 
         return placement_group_table(group).get("state") == "PENDING"
 
+    def __init__(self) -> None:
+        self._free: list[dict[str, float]] = []  # each live node's free resources
+
     def queued_shapes(self) -> list[tuple[dict[str, float], int]]:
         import ray
         from ray.autoscaler.v2.sdk import get_cluster_resource_state
 
         state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+        # (node status: 1 running, 3 idle; a resource with nothing free is left out)
+        self._free = [dict(n.available_resources) for n in state.node_states
+                      if n.status in (1, 3)]
         return [(dict(r.request.resources_bundle), r.count)
                 for r in state.pending_resource_requests]
+
+    def fits_anywhere(self, shape: Mapping[str, float]) -> bool:
+        """Whether some live node had `shape` free at the last `queued_shapes`."""
+        return any(all(free.get(k, 0.0) + SHAPE_EPS >= v for k, v in shape.items())
+                   for free in self._free)

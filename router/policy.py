@@ -39,6 +39,8 @@ class WorkerView:
     devices: list[str] = field(default_factory=list)  # one per tensor-parallel rank
     runtime: dict[str, str] = field(default_factory=dict)  # attention, linears, CUDA graphs
     streams: list[dict[str, Any]] = field(default_factory=list)  # its streams, last poll
+    # (when, seconds) of its recent first tokens, on the router's clock (autoscaling's TTFT)
+    ttft_recent: list[tuple[float, float]] = field(default_factory=list)
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     # LoRA adapters: loaded here, in a device slot, in the host-memory cache (last poll)

@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError
 
 from kvserve.errors import StartupError
 from kvserve.hardware import available_cores
+from kvserve.router.autoscale import AutoscalingConfig
 from kvserve.router.config import RouterConfig
 from kvserve.router.disagg import Disagg, DisaggConfig, check_exchange, check_roles
 from kvserve.router.loras import LoraRegistry
@@ -28,6 +29,7 @@ from kvserve.router.migration import MigrationConfig
 from kvserve.router.mover import StreamMover
 from kvserve.router.placement import WAITING, PlacementWatch, Verdict
 from kvserve.router.policy import Decision, RouteRequest, WorkerView, make_policy
+from kvserve.router.scaler import PoolScaler
 from kvserve.router.worker_state import WorkerState
 from kvserve.workers.placement import worker_bundle
 from kvserve.workers.worker_actor import create_worker, device_group_of, stop_worker
@@ -43,6 +45,8 @@ SINGLE_WORKER_POLL_S = 5.0  # poll period with one worker: restart detection onl
 MAX_SESSIONS = 100_000
 PLACEMENT_CHECK_S = 1.0  # how often Ray is asked about workers it has not placed yet
 READY_CHECK_S = 0.5  # how often `ready` looks again at workers waiting for resources
+MIXED_ONLY = ("autoscaling works on mixed workers only; turn it off before giving workers the "
+              "prefill and decode roles")
 
 
 class RouterActor:
@@ -55,6 +59,8 @@ class RouterActor:
         self.policy = make_policy(self.cfg.routing_policy, self.cfg.max_imbalance)
         self.roles = [self.cfg.role_of(i) for i in range(self.cfg.num_workers)]
         check_roles(self.roles)
+        if self.cfg.autoscaling.get("enabled") and any(r != "mixed" for r in self.roles):
+            raise ValueError(MIXED_ONLY)
         # new workers Ray has not placed yet; those it never placed in time (stopped)
         self.placement = PlacementWatch(self.cfg.placement_timeout_s)
         self.never_placed: set[int] = set()
@@ -65,11 +71,15 @@ class RouterActor:
         self.views = [WorkerView(i, f"worker-{i}") for i in range(self.cfg.num_workers)]
         self.states = [WorkerState() for _ in self.views]
         self.sessions: OrderedDict[str, int] = OrderedDict()
-        self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views])
+        self.metrics = RouterMetrics(self.policy.name, [v.worker_id for v in self.views],
+                                     self.cfg.model_name)
         self.mover = StreamMover(MigrationConfig(**self.cfg.migration), self.handles, self.views,
                                  self.sessions, MAX_SESSIONS, self.metrics.migration, self.roles)
         self.disagg = Disagg(DisaggConfig(**self.cfg.disagg), self.roles, self.handles,
                              self.views, self.metrics.disagg)
+        # the pool following the load (off: a fixed pool of num_workers); mixed workers only
+        self.scaler = PoolScaler(self, AutoscalingConfig(**self.cfg.autoscaling),
+                                 self.metrics.autoscaler)
         # a restarted router starts new workers: the ingress refetches handles when this changes
         self.epoch = uuid.uuid4().hex
         self._poller: asyncio.Task | None = None
@@ -135,8 +145,11 @@ class RouterActor:
             unanswered = [f for f in calls.values() if not f.done()]
             if not unanswered:
                 break
-            if not wait_for_all and any(_answered(f) for f in calls.values()) and all(
-                    self._unplaced(i) for i, f in calls.items() if not f.done()):
+            # the others wait for resources, or the service served before: the workers
+            # still loading (started by a resize or the autoscaler) join once they answer
+            if not wait_for_all and any(_answered(f) for f in calls.values()) and (
+                    self._info is not None
+                    or all(self._unplaced(i) for i, f in calls.items() if not f.done())):
                 break
             await asyncio.wait(unanswered, timeout=READY_CHECK_S)
         answered, errors = [], []
@@ -208,6 +221,7 @@ class RouterActor:
         self.placement.forget(i)
         if "kv" in info:
             self.disagg.kv[i] = info["kv"]
+        self.scaler.worker_ready(i, float(info.get("load_s", 0.0)))
         return info
 
     def _late_answer(self, i: int, info: Any) -> None:
@@ -285,26 +299,45 @@ class RouterActor:
     def shape_digest(self) -> str:
         return self.deployed.shape_digest()
 
-    def resize(self, num_workers: int) -> dict[str, Any]:
-        """Serve `num_workers` workers (a deployment that changed only its worker count).
+    def resize(self, num_workers: int,
+               autoscaling: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Serve `num_workers` workers (a deployment that changed only its worker count or
+        its autoscaling settings).
 
-        Fewer: the highest-numbered serving workers are drained in the background (they
-        take no new request from now on; their streams and sessions move to the others,
-        then they stop). More: new workers start after the existing ones (their indices are
-        new; the ingress picks up the new handles through the changed epoch). Returns the
-        workers draining and started."""
+        `autoscaling` (a redeploy passes it: {} turns autoscaling off) replaces the
+        autoscaling settings; while autoscaling is on, the policy owns the worker count
+        (`num_workers` is only where a new router starts), and enforces the new bounds at
+        its next poll. Otherwise, fewer: the highest-numbered serving workers are drained in
+        the background (they take no new request from now on; their streams and sessions
+        move to the others, then they stop). More: new workers start after the existing ones
+        (their indices are new; the ingress picks up the new handles through the changed
+        epoch). Returns the workers draining and started."""
         n = max(1, int(num_workers))
         if any(r != "mixed" for r in self.roles):
             raise ValueError("a deployment with prefill and decode workers is replaced, not "
                              "resized in place")
-        serving = self._serving()
+        if autoscaling is not None:
+            on = AutoscalingConfig(**autoscaling) if autoscaling else AutoscalingConfig()
+            self.scaler.configure(dataclasses.asdict(on))
+            self.cfg.autoscaling = self.deployed.autoscaling = dict(autoscaling)
         self.cfg.num_workers = self.deployed.num_workers = n  # new workers' thread share
-        removed = serving[n:]
-        for i in removed:
-            task = self.mover.start_drain(i, RESIZE_DRAIN_TIMEOUT_S)
-            task.add_done_callback(lambda t, i=i: self._resize_drained(i, t))
+        removed: list[int] = []
+        added: list[int] = []
+        if not self.scaler.cfg.enabled:
+            serving = self._serving()
+            removed = serving[n:]
+            for i in removed:
+                task = self.mover.start_drain(i, RESIZE_DRAIN_TIMEOUT_S)
+                task.add_done_callback(lambda t, i=i: self._resize_drained(i, t))
+            added = self._add_workers(n - len(serving))
+        self.digest = self.deployed.digest()
+        log.warning("router: resized to %d workers (draining %s, started %s)", n, removed, added)
+        return {"draining": removed, "started": added}
+
+    def _add_workers(self, k: int) -> list[int]:
+        """Start `k` new workers after the existing ones; returns their indices."""
         added = []
-        for _ in range(n - len(serving)):
+        for _ in range(max(0, k)):
             i = len(self.handles)
             self.handles.append(self._start_worker(i))
             self.roles.append("mixed")
@@ -316,9 +349,15 @@ class RouterActor:
             self.epoch = uuid.uuid4().hex  # the ingress refetches the handles
             with contextlib.suppress(RuntimeError):  # (no loop here: `ready` starts it)
                 self._watch_placement()
-        self.digest = self.deployed.digest()
-        log.warning("router: resized to %d workers (draining %s, started %s)", n, removed, added)
-        return {"draining": removed, "started": added}
+        return added
+
+    def set_autoscaling(self, **changes: Any) -> dict[str, Any]:
+        """Change autoscaling settings at run time (operators, benches, tests): min_workers,
+        max_workers, delays, thresholds, `enabled`. Returns the settings now in force;
+        ValueError names a bad one. The policy applies them at its next poll."""
+        if changes.get("enabled") and any(r != "mixed" for r in self.roles):
+            raise ValueError(MIXED_ONLY)
+        return dataclasses.asdict(self.scaler.configure(changes))
 
     def _resize_drained(self, idx: int, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -332,6 +371,15 @@ class RouterActor:
 
     def workers_with_epoch(self) -> tuple[str, list[Any]]:
         return self.epoch, list(self.handles)
+
+    def stop_workers(self) -> int:
+        """Stop every worker for good and free the tensor-parallel workers' placement groups
+        (called before this router is killed: Ray removes those groups with a detached
+        router, but a router some driver owns would leave them holding their CPUs and GPUs
+        until that driver ends). Returns how many workers there were."""
+        for h in self.handles:
+            stop_worker(h)
+        return len(self.handles)
 
     # ---- routing ----------------------------------------------------------------------------
     async def pick(
@@ -349,8 +397,17 @@ class RouterActor:
         if self._poller is None:  # a restarted router: nobody called ready(); start polling
             self._poller = asyncio.create_task(self._poll_loop())
             self._watch_placement()
-        alive = [v for v in self.views if v.alive and v.idx not in exclude
-                 and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
+        alive = self._routable(exclude)
+        # (before any wait: a request naming an unknown adapter does not start a worker)
+        if lora is not None and lora not in self.loras.known and self.loras.initialized:
+            return {"error": "not_found", "message": f"no LoRA adapter named {lora!r} is loaded"}
+        if not alive and not exclude and self.scaler.cfg.enabled:
+            # none serves (scaled to zero, or all starting): wait in a bounded queue while one
+            # starts; a timeout's answer is final (the ingress does not wait again)
+            refused = await self.scaler.wait_for_worker()
+            if refused is not None:
+                return refused
+            alive = self._routable(exclude)
         if lora is not None and lora not in self.loras.known and not self.loras.initialized \
                 and alive:
             await self.loras.learn(alive[0].idx)  # a restarted router, not yet ready
@@ -406,6 +463,10 @@ class RouterActor:
             out.update(handoff_to=handoff_to,
                        handoff_worker_id=self.views[handoff_to].worker_id)
         return out
+
+    def _routable(self, exclude: list[int]) -> list[WorkerView]:
+        return [v for v in self.views if v.alive and v.idx not in exclude
+                and v.idx not in self.mover.draining and v.idx not in self.mover.drained]
 
     def release(self, idx: int, slot_id: str) -> bool:
         """Stop counting a slot; a second release of it (or of one already reconciled away,
@@ -505,13 +566,15 @@ class RouterActor:
             # With one worker there is nothing to choose between: poll only to notice a
             # restart. Each poll interrupts the worker's step loop, which on a small CPU
             # host costs more than it tells (see docs/benchmarks.md, online serving).
+            # An autoscaled pool is polled every period whatever its size: its load decides.
             interval = self.cfg.load_poll_interval_s
-            if len(self.views) - len(self.mover.drained) == 1:
+            if len(self.views) - len(self.mover.drained) == 1 and not self.scaler.active:
                 interval = max(interval, SINGLE_WORKER_POLL_S)
             await asyncio.sleep(interval)
             try:
                 await self._poll_once()
                 self.mover.tick()
+                self.scaler.tick()
             except Exception:
                 log.exception("polling workers failed")
 
@@ -542,6 +605,7 @@ class RouterActor:
                 self._answer(v.idx)
         await asyncio.gather(*(one(v) for v in polled if v.incarnation))
         self.metrics.workers_alive(self.views)
+        self.scaler.wake()
 
     def _update(self, v: WorkerView, load: dict[str, Any]) -> None:
         if load["incarnation"] != v.incarnation:
@@ -569,6 +633,7 @@ class RouterActor:
         v.lora_device, v.lora_host = set(loras.get("device", ())), set(loras.get("host", ()))
         self.loras.check(v)  # a restarted worker gets the adapters loaded since the start
         now = time.monotonic()
+        v.ttft_recent = [(now - age, s) for age, s in load.get("ttft_recent", ())]
         v.pending = {h: t for h, t in v.pending.items() if t > now}
         self._reconcile(v, set(load.get("slots", ())), now)
 
@@ -612,6 +677,8 @@ class RouterActor:
         if len(roles) != len(self.views):
             raise ValueError(f"{len(roles)} roles for {len(self.views)} workers")
         check_roles(roles)
+        if self.scaler.cfg.enabled and any(r != "mixed" for r in roles):
+            raise ValueError(MIXED_ONLY)
         live = self._serving()
         infos = await asyncio.gather(*(self.handles[i].info.remote() for i in live))
         kv = {i: info["kv"] for i, info in zip(live, infos, strict=True)}
@@ -674,6 +741,7 @@ class RouterActor:
             "node_id": _own_node(),  # the router's Ray node (the head, see lifecycle.py)
             "model_info": self._info,
             "slot_grace_s": self.cfg.slot_grace_s,
+            "autoscaling": self.scaler.info(),
             "workers": [
                 {"idx": v.idx, "worker_id": v.worker_id, "node_id": v.node_id,
                  "alive": v.alive, "inflight": v.inflight,
@@ -683,7 +751,7 @@ class RouterActor:
                  "restarts": v.restarts, "reconciled_slots": v.reconciled,
                  "duplicate_releases": v.duplicate_releases, "late_releases": v.late_releases,
                  "stats": {**v.stats, **self.mover.stats(v.idx)},
-                 "state": self.states[v.idx].state, "load_s": self.states[v.idx].load_s,
+                 "state": self._state(v.idx), "load_s": self.states[v.idx].load_s,
                  "tensor_parallel_size": max(1, len(v.devices)), "devices": v.devices,
                  "runtime": v.runtime, "streams": v.streams,
                  "loras": {"device": sorted(v.lora_device), "host": sorted(v.lora_host)},
@@ -693,6 +761,14 @@ class RouterActor:
             "loras": self.loras.listing(),
             "disagg": self.disagg.info(),
         }
+
+
+    def _state(self, idx: int) -> str:
+        if idx in self.mover.drained:
+            return "drained"
+        if idx in self.mover.draining:
+            return "draining"
+        return self.states[idx].state
 
 
 def _answered(f: asyncio.Future) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 
                    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 E2E_BUCKETS = LATENCY_BUCKETS + (120.0, 300.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# the latest first-token times, for the router's autoscaling (its TTFT over a recent window)
+RECENT_TTFT = 256
+RECENT_TTFT_S = 120.0
 # engine stat key -> counter name (the stats are cumulative; their increments are exported)
 ENGINE_COUNTERS = {
     "evictions": "kvserve_kv_evictions",
@@ -36,6 +40,10 @@ ENGINE_COUNTERS = {
     "restored_bytes": "kvserve_kv_restored_bytes",
     "tokens_recomputed": "kvserve_kv_recomputed_tokens",
     "writebacks_skipped": "kvserve_kv_writebacks_skipped",
+    # speculative decoding: verifications, proposed and accepted tokens (0 without it)
+    "spec_drafts": "kvserve_spec_decode_drafts",
+    "spec_draft_tokens": "kvserve_spec_decode_draft_tokens",
+    "spec_accepted_tokens": "kvserve_spec_decode_accepted_tokens",
 }
 COPY_SECONDS = {"d2h": "copy_seconds_d2h", "h2d": "copy_seconds_h2d"}
 # the restore cost model's measured figures: copy bandwidth per direction, prefill rate
@@ -164,6 +172,12 @@ class WorkerMetrics:
         for d in COPY_SECONDS:
             zero(self.copy_seconds, {"direction": d})
         self._last: dict[str, float] = {}  # the engine's cumulative counters, as last exported
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFT)  # (when, s)
+
+    def ttft_recent(self) -> list[list[float]]:
+        """[[age_s, ttft_s], ...] of the first tokens of the last RECENT_TTFT_S seconds."""
+        now = time.monotonic()
+        return [[now - t, s] for t, s in self.recent_ttft if now - t <= RECENT_TTFT_S]
 
     def set_role(self, role: str) -> None:
         self.role_tags = {"role": role}
@@ -226,6 +240,7 @@ class RequestTracker:
             self.first = now
             m = self.m
             m.ttft.observe(now - self.t0, tags=m.role_tags)
+            m.recent_ttft.append((now, now - self.t0))
             if out.queue_s is not None:
                 m.queue_wait.observe(out.queue_s)
             if out.usage.prompt_tokens > 0:

@@ -341,6 +341,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "stats": {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
             "devices": self._devices,
             "runtime": self.engine.engine.runner.runtime,
+            "ttft_recent": self.metrics.ttft_recent(),
             "loras": self._lora_view(),
             "role": self.role,
         }

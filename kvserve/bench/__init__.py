@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 BENCHES = ("offline", "batched", "agreement", "attention", "serve", "throughput", "pressure",
-           "multiturn", "soak", "hoststep", "moe", "tp", "migrate", "lora")
+           "multiturn", "soak", "hoststep", "moe", "tp", "migrate", "lora", "spec")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

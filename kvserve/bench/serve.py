@@ -14,6 +14,9 @@ the in-process engine; on a CUDA host each worker gets a GPU share) and stops it
 the self-started service (kvserve.bench.serve_workers). --prefill-workers P --decode-workers D
 runs them through P prefill and D decode workers and through the same P + D workers as mixed
 workers (kvserve.bench.serve_disagg).
+--ramp SECONDS:RATE,... sends the requests at a rate that changes by segment (low, burst,
+low); --compare-autoscaling runs such a ramp against fixed pools of --min-workers and
+--max-workers workers and the autoscaled pool between them (kvserve.bench.serve_autoscale).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.bench.common import add_async_arg, write_json
+from kvserve.bench.serve_autoscale import compare_autoscaling, parse_ramp, ramp_offsets
 from kvserve.bench.serve_clients import BenchClient, EngineClient, GrpcClient, HttpClient
 from kvserve.bench.serve_dataset import (
     BenchRequest,
@@ -76,6 +80,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="requests per second (inf = all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier")
+    p.add_argument("--ramp", default=None, metavar="SECONDS:RATE,...",
+                   help="a rate that changes by segment, e.g. 20:0.5,40:3,40:0.5 (low, burst, "
+                        "low); the requests are those the segments' arrivals make (instead of "
+                        "--num-prompts and --request-rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--dataset", choices=["random", "prefix-repetition", "long-short"],
                    default="random",
@@ -144,6 +152,17 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     m.add_argument("--migration-rounds", type=int, default=2,
                    help="--compare-migration: rounds of two passes, mirrored (on, off, off, "
                         "on, ...)")
+    s = p.add_argument_group("autoscaling (self-started service)")
+    s.add_argument("--compare-autoscaling", action="store_true",
+                   help="the requests (a --ramp) through fixed pools of --min-workers and "
+                        "--max-workers workers and through the autoscaled pool between them: "
+                        "worker-seconds, TTFT, time parked, requests lost, pressure to serving")
+    s.add_argument("--min-workers", type=int, default=1)
+    s.add_argument("--max-workers", type=int, default=3)
+    s.add_argument("--upscale-delay-s", type=float, default=2.0,
+                   help="the autoscaled pass's (default 2)")
+    s.add_argument("--downscale-delay-s", type=float, default=10.0,
+                   help="the autoscaled pass's (default 10)")
     d = p.add_argument_group("disaggregated serving (self-started service)")
     d.add_argument("--prefill-workers", type=int, default=0,
                    help="with --decode-workers: the requests through this many prefill and "
@@ -221,7 +240,8 @@ async def bench_one(
     await _start(client)
     try:
         await _warm_up(client, warmups)
-        offsets = arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed)
+        offsets = (a.offsets if getattr(a, "offsets", None)
+                   else arrival_offsets(len(requests), a.request_rate, a.burstiness, a.seed))
         with CpuMeter() as meter:
             res, dur = await run_requests(client, requests, offsets, a.max_concurrency,
                                           a.progress, f"bench {client.name}")
@@ -351,6 +371,27 @@ def check_args(a: argparse.Namespace) -> str | None:
     if a.compare_workers and a.kv_cache_tokens is not None and a.kv_cache_tokens // a.workers < 16:
         return (f"--kv-cache-tokens {a.kv_cache_tokens} over {a.workers} workers leaves fewer "
                 "than 16 tokens each")
+    if a.compare_autoscaling:
+        if a.target == "engine" or a.compare_engine or a.compare_migration or \
+                a.compare_workers or a.host or a.port:
+            return "--compare-autoscaling runs a self-started grpc or http service on its own"
+        if a.prefill_workers:
+            return ("autoscaling works on mixed workers only; --compare-autoscaling cannot be "
+                    "combined with --prefill-workers/--decode-workers")
+        if not a.ramp:
+            return "--compare-autoscaling needs a --ramp (e.g. 20:0.5,40:3,40:0.5)"
+        if not 1 <= a.min_workers < a.max_workers:
+            return (f"--compare-autoscaling compares --min-workers >= 1 with a larger "
+                    f"--max-workers, got {a.min_workers} and {a.max_workers}")
+        a.workers = a.max_workers  # each worker's threads and GPU share: as the largest pool
+    if a.ramp:
+        try:
+            a.offsets = ramp_offsets(parse_ramp(a.ramp), a.burstiness, a.seed)
+        except ValueError as e:
+            return str(e)
+        if not a.offsets:
+            return f"--ramp {a.ramp} makes no request with --seed {a.seed}"
+        a.num_prompts = len(a.offsets)
     if a.gpus_per_worker is not None and (a.target == "engine" or a.host or a.port):
         return "--gpus-per-worker is for the self-started service (no --host/--port)"
     if a.target == "engine" and a.compare_engine:
@@ -450,9 +491,31 @@ def _bench(a: argparse.Namespace) -> int:
 
     moved: dict[str, Any] | None = None
     scaled: dict[str, Any] | None = None
+    autoscaled: dict[str, Any] | None = None
     split: dict[str, Any] | None = None
     try:
-        if a.prefill_workers:
+        if a.compare_autoscaling:
+            from kvserve.bench.serve_service import start_service
+            from kvserve.hardware import available_cores
+
+            service = start_service(
+                service_engine(a, a.placement), a.api_key, a.stream_interval_ms,
+                a.min_workers, num_gpus_per_worker=a.placement.gpus_per_worker,
+                # the largest pool fits a local Ray of the host's cores
+                num_cpus_per_worker=min(1.0, available_cores() / a.max_workers),
+                load_poll_interval_s=0.5,
+                autoscaling={"min_workers": a.min_workers, "max_workers": a.max_workers,
+                             "upscale_delay_s": a.upscale_delay_s,
+                             "downscale_delay_s": a.downscale_delay_s})
+            host, port = "127.0.0.1", service.port(a.target)
+
+            async def run_pass(client: BenchClient, reqs: list[BenchRequest],
+                               offsets: list[float], warm: list[BenchRequest]) -> tuple:
+                return await bench_one(client, reqs, warm, a)
+
+            autoscaled = compare_autoscaling(a, service, lambda: _client(a, host, port),
+                                             requests, a.offsets, warmups, run_pass, record)
+        elif a.prefill_workers:
             from kvserve.bench.serve_disagg import SWEEP_REPEATS, compare_disagg
 
             start()
@@ -516,6 +579,8 @@ def _bench(a: argparse.Namespace) -> int:
         report["workers"], report["skew"], report["migration"] = a.workers, a.skew, moved
     if scaled is not None:
         report["workers"], report["compare_workers"] = a.workers, scaled
+    if autoscaled is not None:
+        report["compare_autoscaling"] = autoscaled
     if split is not None:
         report["prefill_workers"], report["decode_workers"] = a.prefill_workers, a.decode_workers
         report["disagg"] = split
@@ -550,4 +615,6 @@ def workload(a: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, A
         w.update(long_input_len=a.long_input_len, long_share=a.long_share)
     if math.isinf(a.request_rate):
         w["request_rate"] = "inf"  # JSON has no Infinity
+    if a.ramp:
+        w["ramp"] = a.ramp
     return w

@@ -42,7 +42,7 @@ class BenchService:
         t0 = time.perf_counter()
         router = self.router()
         ray.get(router.resize.remote(num_workers))
-        ray.get(router.ready.remote())
+        ray.get(router.ready.remote(True))  # the added workers too
         self.config = self.config.model_copy(update={"num_workers": num_workers})
         print(f"bench serve: service resized to {num_workers} worker(s) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -283,6 +283,68 @@ def test_compare_workers_resizes_its_own_service_between_passes(tmp_path):
         assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 16)
 
 
+def test_a_ramp_sends_each_segment_at_its_rate():
+    from kvserve.bench.serve_autoscale import parse_ramp, ramp_offsets
+
+    segs = parse_ramp("100:1,100:10,100:0")
+    assert segs == [(100.0, 1.0), (100.0, 10.0), (100.0, 0.0)]
+    t = np.array(ramp_offsets(segs, 1.0, seed=3))
+    assert np.all(np.diff(t) > 0) and t.max() < 200  # the last segment sends nothing
+    low, burst = ((t >= a) & (t < b) for a, b in ((0, 100), (100, 200)))
+    assert 70 <= low.sum() <= 130 and 900 <= burst.sum() <= 1100
+    assert ramp_offsets(segs, 1.0, seed=3) == t.tolist()  # seeded
+    for bad in ("10", "10:x", "0:1", "10:-1", "10:0", ""):
+        with pytest.raises(ValueError, match="--ramp"):
+            parse_ramp(bad)
+
+
+def test_cli_rejects_bad_autoscaling_runs(capsys):
+    for bad, why in ((["--ramp", "10:1,x"], "--ramp takes SECONDS:RATE"),
+                     (["--compare-autoscaling"], "needs a --ramp"),
+                     (["--compare-autoscaling", "--ramp", "5:1", "--min-workers", "2",
+                       "--max-workers", "2"], "compares --min-workers >= 1 with a larger"),
+                     (["--compare-autoscaling", "--ramp", "5:1", "--port", "9"],
+                      "runs a self-started grpc or http service on its own"),
+                     (["--compare-autoscaling", "--ramp", "5:1", "--prefill-workers", "1",
+                       "--decode-workers", "1"], "autoscaling works on mixed workers only; ")):
+        assert _bench_cli(bad) == 2
+        assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_autoscaling_runs_a_ramp_on_three_pools(tmp_path):
+    """--compare-autoscaling on CPU, tiny: a short ramp through a fixed pool of one, the
+    autoscaled pool of one to two, and a fixed pool of two, in a service the bench starts in
+    its own process and Ray."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "autoscale.json"
+    r = subprocess.run([
+        sys.executable, "-m", "kvserve.cli", "bench", "serve", "--compare-autoscaling",
+        "--target", "grpc", "--ramp", "2:2,4:6,2:1", "--random-input-len", "64",
+        "--random-output-len", "24", "--num-warmups", "1", "--kv-cache-tokens", "512",
+        "--min-workers", "1", "--max-workers", "2", "--upscale-delay-s", "0.5",
+        "--downscale-delay-s", "30", "--no-progress", "--save-result", str(out),
+    ], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    ca = saved["compare_autoscaling"]
+    assert [p["pass"] for p in ca["passes"]] == ["fixed 1", "autoscaled", "fixed 2"]
+    n = saved["workload"]["num_prompts"]
+    assert n > 0 and saved["workload"]["ramp"] == "2:2,4:6,2:1"
+    for p in ca["passes"]:
+        assert (p["completed"], p["failed"]) == (n, 0)  # no request lost
+        assert p["worker_seconds"] > 0 and p["ttft_p50_ms"] > 0
+    fixed1, auto, fixed2 = ca["passes"]
+    assert fixed1["max_workers"] == 1 and fixed2["max_workers"] == 2
+    assert fixed2["mean_workers"] > 1.9 and fixed1["mean_workers"] < 1.1
+    assert 1 <= auto["max_workers"] <= 2
+    for c in auto["cold_starts"]:  # each worker it started, with its times
+        assert c["pressure_to_serving_s"] >= c["cold_start_s"] >= c["load_s"] > 0
+    assert "pass" in r.stdout and "worker-s" in r.stdout
+
+
 def test_bench_request_is_plain_data():
     r = BenchRequest("hi", [1, 2], 3)
     assert r.prompt_len == 2
@@ -475,6 +537,7 @@ def test_disagg_bench_compares_roles_on_its_own_service(tmp_path):
         "--long-input-len", "300", "--long-share", "0.5", "--random-output-len", "8",
         "--num-prompts", "4", "--max-concurrency", "4", "--num-warmups", "0",
         "--disagg-rounds", "1", "--stream-interval-ms", "0", "--handoff-sweep", "64,300",
+        "--disagg-min-prompt-tokens", "256",  # the 300-token prompts handed off, not the 16
         "--no-progress", "--save-result", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())["disagg"]

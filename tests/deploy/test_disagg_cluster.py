@@ -358,11 +358,12 @@ def test_a_decode_worker_killed_during_a_handoff_strands_nothing(cluster, svc, r
     _wait_clean(cluster)
 
 
-def test_workers_whose_kv_cannot_be_exchanged_are_refused_at_start(model):
+def test_workers_whose_kv_cannot_be_exchanged_are_refused_at_start(cluster, model):
     """A decode worker with another KV block size than its prefill worker: the router's
-    start fails naming both, and their start-up state says why."""
+    start fails naming both, and their start-up state says why. (On the module's Ray, whose
+    CPUs hold its cluster's workers and the session app's: a quarter CPU each fits beside.)"""
     cfg = RouterConfig(num_workers=2, engine={**ENGINE, "model": model},
-                       num_cpus_per_worker=0.5, migration={"enabled": False},
+                       num_cpus_per_worker=0.25, migration={"enabled": False},
                        roles=["prefill", "decode"], engine_overrides={1: {"block_size": 32}})
     router = ray.remote(RouterActor).options(num_cpus=0, max_concurrency=100).remote(
         cfg.to_dict())
@@ -370,7 +371,9 @@ def test_workers_whose_kv_cannot_be_exchanged_are_refused_at_start(model):
         with pytest.raises(ray.exceptions.RayTaskError,
                            match="worker-0 \\(prefill\\) and worker-1 \\(decode\\) cannot "
                                  "exchange KV: KV block size 16 vs 32"):
-            ray.get(router.ready.remote())
+            # both workers answer first: one waiting for CPUs (others' actors hold them)
+            # would join later and be refused alone (router._refuse_unexchangeable), not fail it
+            ray.get(router.ready.remote(True))
         states = [w["state"] for w in ray.get(router.server_info.remote())["workers"]]
         assert all(s.startswith("failed: ") and "block size" in s for s in states), states
     finally:

@@ -71,6 +71,7 @@ def cluster(model) -> Iterator[Any]:
     try:
         yield router
     finally:
+        ray.get(router.stop_workers.remote())  # (their placement groups would outlive it)
         ray.kill(router)
         if own:
             ray.shutdown()

@@ -38,7 +38,8 @@ P = "ray_kvserve_"  # Ray prefixes custom metrics with "ray_"; counters end in "
 WORKER_COUNTERS = ["requests_received", "requests_finished", "prompt_tokens", "generation_tokens",
                    "prefix_cache_hit_tokens", "kv_evictions", "kv_restored_blocks",
                    "kv_restored_bytes", "kv_recomputed_tokens", "kv_host_copy_seconds",
-                   "kv_restores", "kv_writebacks_skipped"]
+                   "kv_restores", "kv_writebacks_skipped", "spec_decode_drafts",
+                   "spec_decode_draft_tokens", "spec_decode_accepted_tokens"]
 WORKER_GAUGES = ["requests_running", "requests_waiting", "kv_device_blocks_used",
                  "kv_device_blocks_capacity", "kv_host_blocks_used", "kv_host_blocks_capacity",
                  "streams_running", "streams_parked", "kv_host_copy_gbps", "prefill_tokens_per_s"]
@@ -47,13 +48,17 @@ WORKER_HISTOGRAMS = ["time_to_first_token_seconds", "time_per_output_token_secon
 MIGRATION_COUNTERS = ["migration_streams", "migration_bytes", "migration_failures",
                       "migration_sessions"]  # the router's, per worker
 MOVE_HISTOGRAMS = ["stream_move_stall_seconds", "stream_move_rounds"]  # the router's
+AUTOSCALER_GAUGES = ["autoscaler_desired_workers", "autoscaler_workers",
+                     "autoscaler_queued_requests", "autoscaler_cold_start_seconds",
+                     "autoscaler_pressure_to_serving_seconds"]  # the router's, on or off
 DISAGG_COUNTERS = ["disagg_handoffs", "disagg_local_prefills"]  # the router's
 DISAGG_HISTOGRAMS = ["disagg_handoff_seconds", "disagg_handoff_bytes"]
 EXPORTED = sorted(
     [f"{P}{n}_total" for n in [*WORKER_COUNTERS, "requests_rejected", "router_decisions",
-                               "router_retries", "stream_moves", *MIGRATION_COUNTERS,
-                               *DISAGG_COUNTERS]]
-    + [f"{P}{n}" for n in [*WORKER_GAUGES, "router_workers_alive", "worker_draining"]]
+                               "router_retries", "stream_moves", "autoscaler_decisions",
+                               *MIGRATION_COUNTERS, *DISAGG_COUNTERS]]
+    + [f"{P}{n}" for n in [*WORKER_GAUGES, "router_workers_alive", "worker_draining",
+                           *AUTOSCALER_GAUGES]]
     + [f"{P}{n}_{s}" for n in [*WORKER_HISTOGRAMS, *DISAGG_HISTOGRAMS]
        for s in ("bucket", "sum", "count")]
 )
@@ -307,7 +312,7 @@ def test_every_metric_is_exported_with_its_tags(run):
         keys = {k for k, _ in labels}
         if n.startswith(P + "router_"):
             assert "policy" in keys, n
-        elif n.startswith((P + "stream_move", P + "disagg_")):
+        elif n.startswith((P + "stream_move", P + "autoscaler_", P + "disagg_")):
             assert "policy" in keys, n
         elif n.startswith((P + "migration_", P + "worker_draining")):
             assert {"policy", "worker"} <= keys, n
@@ -418,6 +423,19 @@ def test_router_metrics(run):
     assert by_kind["device_affinity"] + by_kind["host_affinity"] >= 1, by_kind
     assert run.total(f"{P}router_retries_total", policy="affinity") == 0
     assert run.now(f"{P}router_workers_alive", policy="affinity") == [2.0]
+
+
+def test_autoscaler_metrics(run):
+    # the session's app is a fixed pool of two: its size, and no decision of the policy
+    assert run.now(f"{P}autoscaler_desired_workers", policy="affinity") == [2.0]
+    assert run.now(f"{P}autoscaler_workers", state="serving") == [2.0]
+    assert run.now(f"{P}autoscaler_workers", state="starting") == [0.0]
+    assert run.now(f"{P}autoscaler_workers", state="draining") == [0.0]
+    assert run.now(f"{P}autoscaler_queued_requests") == [0.0]
+    assert run.now(f"{P}autoscaler_cold_start_seconds") == [0.0]  # no start by the policy
+    decisions = {dict(lab)["reason"] for n, lab in run.after if n == f"{P}autoscaler_decisions_total"}
+    assert decisions >= {"kv_pressure", "queue", "ttft", "no_worker", "low_load", "idle"}
+    assert run.total(f"{P}autoscaler_decisions_total") == 0
 
 
 def test_migration_metrics(run):

@@ -9,7 +9,9 @@ by the ingress's own path, GetServerInfo's data):
   places the third worker there, and it serves;
 - with every CPU taken and the autoscaler at its maximum, a worker is stopped after its
   placement timeout and reported failed with what it waited for: the router's `ready`
-  (the ingress's start) fails with it, GetServerInfo's state and the router's log say it.
+  (the ingress's start) fails with it, GetServerInfo's state and the router's log say it;
+- an autoscaled pool whose load wants a second worker where no node has room: that worker
+  waits for resources, the autoscaler adds a node for it, and it serves there.
 
 `ray.cluster_utils.AutoscalingCluster` cannot be used here: its start and shutdown run `ray
 stop --force`, which ends every Ray on the machine, and its configuration template
@@ -32,6 +34,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +233,71 @@ def test_a_worker_unplaced_past_the_timeout_is_reported_failed(autoscaled):
         kill_router(LATE_ROUTER)
         for b in ballast:
             ray.kill(b)
+
+
+POOL_ROUTER = "kvserve-router-pool"
+
+
+def test_a_worker_the_load_wants_gets_the_node_the_autoscaler_adds(autoscaled):
+    """Autoscaling on a cluster without room: the load (requests waiting on the one worker,
+    whose engine is held) wants a second worker; it waits for resources, shown as such, and
+    its pending actor is the demand for which Ray's autoscaler adds a node; it is placed
+    there, loads and serves."""
+    # the earlier tests' node is there (3 CPUs in all, their routers gone): all but one CPU
+    # taken, the one worker fits and a second does not
+    assert len(_alive_nodes()) == 2
+    _until("the earlier tests' CPUs free", lambda: ray.available_resources().get("CPU") == 3.0)
+    ballast = Ballast.options(num_cpus=2).remote()
+    ray.get(ballast.ping.remote(), timeout=WAIT_S)
+    cfg = ServeConfig(num_cpus_per_worker=1, engine=ENGINE, router_name=POOL_ROUTER,
+                      load_poll_interval_s=0.5,
+                      autoscaling={"min_workers": 1, "max_workers": 2, "upscale_delay_s": 1,
+                                   "downscale_delay_s": 600, "upscale_waiting": 3})
+    check_placement(cfg)  # 2 workers of 1 CPU: the nodes' totals hold them
+    svc = Service(cfg)
+    try:
+        asyncio.run(svc.start())
+        w0 = ray.get(svc.router.workers.remote())[0]
+        ray.get(w0.pause_engine.remote())
+
+        async def three() -> list[Any]:
+            reqs = [svc.build(svc.tokenize(prompt=f"Tale {i}: once upon a time"),
+                              {"temperature": 0, "max_tokens": 4, "ignore_eos": True})
+                    for i in range(3)]
+            return await asyncio.gather(*(svc.complete(r) for r in reqs))
+
+        with ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(asyncio.run, three())
+            want = "waiting for resources: {CPU: 1}"
+
+            def worker1() -> dict[str, Any] | None:
+                ws = ray.get(svc.router.server_info.remote())["workers"]
+                return ws[1] if len(ws) > 1 and ws[1]["state"] == want else None
+
+            w = _until("worker-1 waiting for resources", worker1)
+            assert not w["alive"]
+            a = asyncio.run(svc.server_info())["autoscaling"]
+            assert a["decisions"] == {"up:queue": 1} and a["starting_workers"] == 1, a
+            assert len(_alive_nodes()) == 2  # the autoscaler may add none yet
+
+            before = {n["NodeID"] for n in _alive_nodes()}
+            autoscaled.allow_nodes(2)  # now it may: it adds one for the pending worker
+            node = _until("the added node", lambda: next(
+                (n for n in _alive_nodes() if n["NodeID"] not in before), None))
+
+            def serving() -> dict[str, Any] | None:
+                w = ray.get(svc.router.server_info.remote())["workers"][1]
+                return w if w["alive"] and w["state"] == "ready" else None
+
+            assert _until("worker-1 placed and ready", serving)["node_id"] == node["NodeID"]
+            ray.get(w0.resume_engine.remote())
+            done = waiting.result(timeout=WAIT_S)
+        assert all(len(r.token_ids) == 4 for r in done)
+        on_new = _complete(svc, [0])
+        assert on_new.worker_id == "worker-1" and len(on_new.token_ids) == 6
+        a = asyncio.run(svc.server_info())["autoscaling"]
+        (cold,) = a["cold_starts"]
+        assert cold["worker_id"] == "worker-1" and cold["cold_start_s"] >= cold["load_s"] > 0
+    finally:
+        kill_router(POOL_ROUTER)
+        ray.kill(ballast)

@@ -100,10 +100,17 @@ def _free_cpus(serve_app) -> float:
     """The session Ray's free CPUs: all but its app's workers', once the CPUs of what
     earlier tests started are released (Ray's view of them lags their end)."""
     import ray
+    from ray.util import placement_group_table
 
     cfg = serve_app.config
     free = ray.cluster_resources()["CPU"] - cfg.num_workers * cfg.num_cpus_per_worker
-    _until(f"{free:g} CPUs free", lambda: ray.available_resources().get("CPU", 0.0) == free)
+    try:
+        _until(f"{free:g} CPUs free", lambda: ray.available_resources().get("CPU", 0.0) == free)
+    except AssertionError as e:  # say what holds them: an earlier test's leak
+        groups = [(g["name"], g["bundles"]) for g in placement_group_table().values()
+                  if g["state"] != "REMOVED"]
+        raise AssertionError(f"{e}; {ray.available_resources().get('CPU', 0.0):g} free; "
+                             f"placement groups left: {groups}") from None
     return free
 
 

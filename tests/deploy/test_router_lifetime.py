@@ -117,10 +117,13 @@ def test_router_is_reused_for_its_config_replaced_for_another_and_killed(serve_a
         # drains it and it exits; worker-0 stays the same process throughout)
         grown = get_or_create_router(dataclasses.replace(cfg, num_workers=2), name=name)
         assert grown._actor_id == first._actor_id
-        ray.get(grown.ready.remote(), timeout=600)  # worker-1 has loaded the model
+        # worker-1 has loaded the model (a plain ready() of a router that served before does
+        # not wait for workers a resize or the autoscaler adds: they join once loaded)
+        ray.get(grown.ready.remote(True), timeout=600)
         added = ray.get(grown.workers.remote())
         assert len(added) == 2 and added[0]._actor_id == worker._actor_id
-        assert all(w["alive"] for w in ray.get(grown.server_info.remote())["workers"])
+        ws = ray.get(grown.server_info.remote())["workers"]
+        assert all(w["alive"] for w in ws), [(w["worker_id"], w["alive"], w.get("state")) for w in ws]
         shrunk = get_or_create_router(dataclasses.replace(cfg, num_workers=1), name=name)
         assert shrunk._actor_id == first._actor_id
         _wait_dead(added[1].info)

@@ -183,22 +183,62 @@ def test_a_bad_lora_adapter_is_refused_before_ray_starts(tmp_path):
     _resolve_tokenizer(ServeConfig(loras={"far": "/on/the/workers/only"}))
 
 
-def test_one_base_model_per_service_and_a_second_is_refused():
+def test_several_base_models_each_get_workers_and_a_router():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.config import ServeConfig
+    from kvserve.deploy.serve_cli import _workers, config_from_args
+
+    one = config_from_args(build_parser().parse_args(["serve", "--model", "org/a"]))
+    assert one.model == "org/a" and one.models == [] and one.engine_config().model == "org/a"
+    assert one.per_model() == [one] and one.router_names() == ["kvserve-router"]
+    assert config_from_args(build_parser().parse_args(["serve"])).model is None
+    # --model twice: two base models, --workers workers each
+    two = config_from_args(build_parser().parse_args(
+        ["serve", "--model", "org/a", "--model", "org/b", "--workers", "2"]))
+    assert (two.model, [m.model for m in two.models]) == ("org/a", ["org/b"])
+    assert two.model_names() == ["org/a", "org/b"] and two.most_workers() == 4
+    a, b = two.per_model()
+    # the first keeps a single model's names (router, workers); the second has its own
+    assert (a.router_name, b.router_name) == ("kvserve-router", "kvserve-model1-router")
+    assert (a.model, b.model, a.num_workers, b.num_workers) == ("org/a", "org/b", 2, 2)
+    assert b.engine_config().model == "org/b" and b.router_config().model_name == "org/b"
+    # their workers share a node's cores as all four would
+    assert a.router_config().worker_engine(8)["num_threads"] == 2
+    assert b.router_config().worker_engine(8)["num_threads"] == 2
+    assert _workers(two) == "4 worker(s) (2 for org/a, 2 for org/b)"
+    # a per-model worker count and name (the chart's and a config file's form)
+    cfg = ServeConfig(model=["org/a", {"model": "org/c", "workers": 3,
+                                       "served_model_name": "cee"}])
+    assert [c.num_workers for c in cfg.per_model()] == [1, 3]
+    assert cfg.model_names() == ["org/a", "cee"] and cfg.most_workers() == 4
+    # a config round trip (the ingress gets the config as a dict) is the same config
+    assert ServeConfig(**cfg.model_dump()) == cfg
+    assert ServeConfig(model=["org/a"]).model == "org/a"
+
+
+def test_several_base_models_refuse_what_they_cannot_honour():
     from kvserve.cli import build_parser
     from kvserve.deploy.config import ServeConfig
     from kvserve.deploy.serve_cli import config_from_args
     from kvserve.errors import ConfigError
 
-    one = config_from_args(build_parser().parse_args(["serve", "--model", "org/a"]))
-    assert one.model == "org/a" and one.engine_config().model == "org/a"
-    assert config_from_args(build_parser().parse_args(["serve"])).model is None
-    # a second --model is an error, never silently the last one
-    with pytest.raises(ConfigError, match="one service per base model"):
-        config_from_args(build_parser().parse_args(
-            ["serve", "--model", "org/a", "--model", "org/b"]))
-    with pytest.raises(ValueError, match="2 base models given"):
-        ServeConfig(model=["org/a", "org/b"])
-    assert ServeConfig(model=["org/a"]).model == "org/a"
+    two = ["serve", "--model", "org/a", "--model", "org/b"]
+    for argv, why in (
+            (["--prefill-workers", "1", "--decode-workers", "1"], "prefill_workers and "
+                                                                   "decode_workers"),
+            (["--min-workers", "1", "--max-workers", "2"], "autoscaling"),
+            (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+             "speculative_config"),
+            (["--lora", "org/b=/x"], "'org/b' are base model names")):
+        with pytest.raises(ConfigError, match=why):
+            config_from_args(build_parser().parse_args([*two, *argv]))
+    with pytest.raises(ValueError, match="'org/a' served twice"):
+        ServeConfig(model=["org/a", "org/a"])
+    with pytest.raises(ValueError, match="num_workers"):
+        ServeConfig(model=["org/a", {"model": "org/b", "workers": 0}])
+    with pytest.raises(ValueError, match="differs from served_model_name"):
+        ServeConfig(model=[{"model": "org/a", "served_model_name": "x"}],
+                    served_model_name="y")
 
 
 def test_tensor_parallel_size_reaches_the_engine_and_the_gpus_add_up():

@@ -222,6 +222,24 @@ def test_banner_lines(pki, monkeypatch, capsys):
     assert "(TLS; OpenAI API" in out and "--server 127.0.0.1:9000 --tls --prompt" in out
 
 
+def test_banner_names_each_models_context(monkeypatch, capsys):
+    from kvserve.deploy import ray_endpoints, serve_cli
+
+    monkeypatch.setattr(ray_endpoints, "ray_endpoints",
+                        lambda: ray_endpoints.RayEndpoints("", "127.0.0.1", 8080, False))
+    served = {"kvserve-router": 8192, "kvserve-model1-router": 2048}
+    monkeypatch.setattr(serve_cli, "_served_context", served.get)
+    ep = serve_cli.Endpoints("127.0.0.1:9000", "http://127.0.0.1:8000")
+    serve_cli._print_banner(ServeConfig(model="org/a"), ep, {})
+    assert "org/a on 1 worker(s), context 8192 tokens (prompt + max_tokens)\n" in capsys.readouterr().out
+    serve_cli._print_banner(ServeConfig(model=["org/a", "org/b"]), ep, {})
+    out = capsys.readouterr().out
+    assert ", context org/a 8192, org/b 2048 tokens (prompt + max_tokens)\n" in out, out
+    del served["kvserve-router"]  # (a router that did not answer: its model is left out)
+    serve_cli._print_banner(ServeConfig(model=["org/a", "org/b"]), ep, {})
+    assert ", context org/b 2048 tokens" in capsys.readouterr().out
+
+
 def test_serve_config_errors_of_the_flags_are_one_line(capsys):
     assert main(["serve", "--gpus-per-worker", "-1"]) == 2
     err = capsys.readouterr().err.strip()

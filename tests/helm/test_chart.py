@@ -45,6 +45,8 @@ GPU_AUTOSCALING = {
         "hostCacheGib": 32, "routingPolicy": "least_loaded", "maxImbalance": 2,
         "maxInflightPerWorker": 512, "streamIntervalMs": 0, "servedModelName": "smol",
         "shutdownGraceS": 300,
+        "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
+                              "prompt_lookup_max": 4, "disable_by_batch_size": 32},
     },
     "workerGroup": {
         "gpus": 1, "replicas": 1, "minReplicas": 1, "maxReplicas": 4,
@@ -62,6 +64,18 @@ TENSOR_PARALLEL = {
               "numCpusPerWorker": 8, "engine": {"dtype": "bfloat16"}},
     "workerGroup": {"gpus": 8, "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
 }
+# kvserve's worker pool follows the load (0..4 workers, 2 per pod) on pods Ray's autoscaler
+# adds and removes (0..2)
+WORKER_AUTOSCALING = {
+    "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
+    "serve": {"numWorkers": 1, "numGpusPerWorker": 1,
+              "autoscaling": {"enabled": True, "minWorkers": 0, "maxWorkers": 4,
+                              "upscaleDelayS": 15, "downscaleDelayS": 300,
+                              "downscaleToZeroDelayS": 900, "maxStep": 2, "upscaleTtftS": 2.5,
+                              "queueTimeoutS": 300}},
+    "workerGroup": {"gpus": 2, "replicas": 1, "minReplicas": 0, "maxReplicas": 2},
+    "autoscaling": {"enabled": True, "idleTimeoutSeconds": 120},
+}
 DISAGGREGATED = {
     "image": {"repository": "registry.example.com/kvserve", "tag": "0.1.0-gpu"},
     "serve": {"numWorkers": 0, "numCpusPerWorker": 4, "engine": {"dtype": "bfloat16"},
@@ -74,6 +88,7 @@ CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "disaggregated": DISAGGREGATED,
     "gpu-autoscaling": GPU_AUTOSCALING,
+    "worker-autoscaling": WORKER_AUTOSCALING,
     "tensor-parallel": TENSOR_PARALLEL,
     "api-keys-existing-secret": {"apiKeys": {"existingSecret": "llm-keys", "secretKey": "keys"}},
     "api-keys-created": {"apiKeys": {"keys": ["key-one", "key-two"]}},
@@ -93,6 +108,11 @@ CASES: dict[str, dict[str, Any]] = {
     "model-hub-gguf": {"model": {"id": "Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf",
                                  "cache": {"sizeLimit": "8Gi", "mountPath": "/hf"},
                                  "offline": True}},
+    "several-models": {"serve": {"numWorkers": 2, "lora": {"adapters": [
+                           {"name": "sql", "path": "/models/adapters/sql"}]}},
+                       "model": {"path": "base", "volume": {"persistentVolumeClaim": "models"}},
+                       "models": [{"id": "Qwen/Qwen3-0.6B", "revision": "main", "workers": 1},
+                                  {"path": "llama", "servedModelName": "llama"}]},
     "lora": {"serve": {"lora": {"adapters": [{"name": "sql", "path": "/models/adapters/sql"},
                                              {"name": "chat", "path": "org/chat-lora@v2"}],
                                 "maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8}},
@@ -265,6 +285,10 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
         assert (sc.routing_policy, sc.max_imbalance, sc.max_inflight_per_worker) == (
             "least_loaded", 2, 512)
         assert sc.stream_interval_ms == 0 and sc.served_model_name == "smol"
+        spec = sc.engine_config().speculative_config
+        assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 4
+        assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4)
+        assert spec.disable_by_batch_size == 32
     elif name == "tensor-parallel":
         assert sc.tensor_parallel_size == 4 and sc.num_gpus_per_worker == 4
         assert sc.engine_config().tensor_parallel_size == 4
@@ -285,6 +309,14 @@ def test_serve_config_is_a_valid_serve_deploy_schema(case):
     elif name == "model-hub-gguf":
         assert sc.model == values["model"]["id"]
         assert sc.model_name() == "qwen2.5-0.5b-instruct-q4_k_m"
+    elif name == "several-models":
+        first, qwen, llama = sc.per_model()
+        assert (first.model, qwen.model, llama.model) == ("/models/base", "Qwen/Qwen3-0.6B@main",
+                                                          "/models/llama")
+        assert sc.model_names() == ["base", "Qwen/Qwen3-0.6B", "llama"]
+        assert [c.num_workers for c in (first, qwen, llama)] == [2, 1, 2]
+        # the adapters are the first model's
+        assert first.loras == {"sql": "/models/adapters/sql"} and qwen.loras == {}
     elif name == "lora":
         ec = sc.engine_config()
         assert ec.loras == {"sql": "/models/adapters/sql", "chat": "org/chat-lora@v2"}
@@ -364,7 +396,11 @@ def test_ray_cluster_config(case):
     assert worker_spec.get("tolerations", []) == wg.get("tolerations", [])
     if name == "tensor-parallel":  # a worker's 4 GPUs in one pod, two workers per pod
         assert worker_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    if name == "gpu-autoscaling":
+    if name == "worker-autoscaling":  # the pods kvserve's workers wait for come and go
+        assert rc["enableInTreeAutoscaling"] is True
+        assert rc["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+        assert worker_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    elif name == "gpu-autoscaling":
         assert rc["enableInTreeAutoscaling"] is True
         opts = rc["autoscalerOptions"]
         assert opts["upscalingMode"] == "Aggressive" and opts["idleTimeoutSeconds"] == 300
@@ -441,7 +477,10 @@ def test_pod_specs(case):
                 assert volumes["model"]["hostPath"] == {"path": vol["hostPath"], "type": "Directory"}
         else:
             assert "model" not in volumes
-        if not model.get("id"):
+        # a further base model from the Hub gets the cache too
+        if any(m.get("id") for m in values.get("models", [])):
+            assert env["HF_HOME"]["value"] == mounts[env["HF_HOME"]["value"]]["mountPath"]
+        elif not model.get("id"):
             assert "hf-cache" not in volumes and not {"HF_HOME", "HF_TOKEN"} & set(env)
         keys = values.get("apiKeys", {})
         if keys:
@@ -551,6 +590,12 @@ def test_notes_name_the_services():
     ({"model": {"id": "org/name@main"}}, "at '/model/id': 'org/name@main' does not match"),
     ({"model": {"revision": "a b"}}, "at '/model/revision': 'a b' does not match pattern"),
     ({"model": {"cache": {"sizeLimit": "lots"}}}, "at '/model/cache/sizeLimit'"),
+    ({"serve": {"speculativeConfig": {"method": "eagle", "num_speculative_tokens": 2}}},
+     "at '/serve/speculativeConfig/method'"),
+    ({"serve": {"speculativeConfig": {"method": "ngram"}}},
+     "at '/serve/speculativeConfig': missing property 'num_speculative_tokens'"),
+    ({"serve": {"autoscaling": {"minWorkers": -1}}}, "at '/serve/autoscaling/minWorkers'"),
+    ({"serve": {"autoscaling": {"maxWorker": 2}}}, "additional properties 'maxWorker' not allowed"),
     ({"serve": {"disagg": {"failurePolicy": "retry"}}}, "at '/serve/disagg/failurePolicy'"),
     ({"serve": {"prefill": {"tensorParallelSize": 0}}}, "at '/serve/prefill/tensorParallelSize'"),
     ({"serve": {"decode": {"replicas": 2}}}, "additional properties 'replicas' not allowed"),
@@ -592,6 +637,27 @@ def test_schema_rejects(values, message):
      "serve.engine.tensor_parallel_size differs from serve.tensorParallelSize"),
     ({"serve": {"tensorParallelSize": 2, "numCpusPerWorker": 0}},
      "serve.numCpusPerWorker must be > 0"),
+    ({"serve": {"autoscaling": {"enabled": True, "minWorkers": 3, "maxWorkers": 2}}},
+     "serve.autoscaling.minWorkers (3) must not exceed serve.autoscaling.maxWorkers (2)"),
+    ({"serve": {"numWorkers": 3, "autoscaling": {"enabled": True, "maxWorkers": 2}}},
+     "serve.numWorkers (3) is where autoscaling starts: it must be within [max(1, "
+     "serve.autoscaling.minWorkers), serve.autoscaling.maxWorkers] = [1, 2]"),
+    ({"serve": {"autoscaling": {"enabled": True, "upscaleKvUse": 0.4}}},
+     "serve.autoscaling.downscaleKvUse must be below serve.autoscaling.upscaleKvUse"),
+    # the worker group's bounds must cover maxWorkers: 5 workers of 1 GPU in pods of 2
+    (WORKER_AUTOSCALING | {"serve": {"numGpusPerWorker": 1, "autoscaling": {
+        "enabled": True, "maxWorkers": 5}}},
+     "serve.autoscaling.maxWorkers 5 needs 3 worker pods (2 per pod: workerGroup.gpus / "
+     "serve.numGpusPerWorker), but workerGroup.maxReplicas is 2"),
+    # CPU workers: the pod's 4 CPUs hold 4
+    ({"serve": {"autoscaling": {"enabled": True, "maxWorkers": 8}},
+      "workerGroup": {"maxReplicas": 1}},
+     "serve.autoscaling.maxWorkers 8 needs 2 worker pods (4 per pod: the pod's CPUs / "
+     "serve.numCpusPerWorker), but workerGroup.maxReplicas is 1"),
+    # pods beyond those that start need Ray's autoscaler
+    (WORKER_AUTOSCALING | {"autoscaling": {"enabled": False}},
+     "serve.autoscaling.maxWorkers 4 needs 2 worker pods (2 per pod: workerGroup.gpus / "
+     "serve.numGpusPerWorker), and workerGroup.replicas starts 1: turn on autoscaling.enabled"),
     ({"serve": {"numWorkers": 0}}, "serve.numWorkers must be at least 1"),
     ({"serve": {"numWorkers": 0, "prefill": {"workers": 1}}},
      "serve.prefill.workers and serve.decode.workers go together"),
@@ -610,10 +676,56 @@ def test_schema_rejects(values, message):
     ({"serve": {"numWorkers": 0, "prefill": {"workers": 1, "gpusPerWorker": 1},
                 "decode": {"workers": 1}}, "workerGroup": {"gpus": 1}},
      "cannot exchange KV: give both roles GPUs, or set serve.engine.dtype"),
+    # several base models: each needs a model, and what they cannot share yet is refused
+    ({"models": [{"servedModelName": "x"}]}, "models[0]: set id (a Hugging Face Hub name) or "
+                                              "path"),
+    ({"models": [{"id": "org/a", "path": "a"}]}, "models[0]: set id (a Hugging Face Hub "
+                                                  "name) or path (a file on the model volume), "
+                                                  "not both"),
+    ({"models": [{"path": "a"}]}, "models[0].path is relative to the model volume"),
+    ({"models": [{"id": "org/a"}], "serve": {"speculativeConfig": {
+        "method": "ngram", "num_speculative_tokens": 2}}},
+     "models: several base models cannot be combined with serve.autoscaling"),
+    ({"models": [{"id": "org/a", "workers": 2}], "serve": {"numGpusPerWorker": 1},
+      "workerGroup": {"gpus": 1, "maxReplicas": 2}},
+     "the workers of all base models (serve.numWorkers and models[].workers) x "
+     "serve.numGpusPerWorker = 3 GPUs"),
+    # autoscaling and worker roles are not combined: one clear refusal
+    ({"serve": {**DISAGGREGATED["serve"], "autoscaling": {"enabled": True, "maxWorkers": 3}},
+      "workerGroup": {"gpus": 4}},
+     "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined "
+     "with serve.prefill.workers and serve.decode.workers"),
 ])
 def test_inconsistent_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(values)
+
+
+def test_worker_autoscaling_reaches_the_app():
+    """serve.autoscaling becomes the app's `autoscaling` block, which ServeConfig accepts
+    with every field the values name (and none when it is off)."""
+    from kvserve.deploy.config import ServeConfig
+
+    args = serve_config(rayservice(manifests(render(WORKER_AUTOSCALING))))["applications"][0][
+        "args"]
+    cfg = ServeConfig(**args)
+    assert cfg.autoscaling.model_dump() == {
+        "min_workers": 0, "max_workers": 4, "upscale_delay_s": 15, "downscale_delay_s": 300,
+        "downscale_to_zero_delay_s": 900, "max_step": 2, "upscale_kv_use": 0.9,
+        "downscale_kv_use": 0.5, "upscale_waiting": 5, "upscale_ttft_s": 2.5,
+        "ttft_window_s": 30, "max_queued_requests": 256, "queue_timeout_s": 300,
+        "drain_timeout_s": 600}
+    assert cfg.num_workers == 1 and cfg.router_config().autoscaling["enabled"] is True
+    with helm.Chart.load(CHART) as chart:
+        values = chart.values["serve"]["autoscaling"]
+    # the chart's defaults are ServeConfig's
+    from kvserve.deploy.autoscaling import AutoscalingSettings
+
+    camel = {"".join(w.capitalize() if i else w for i, w in enumerate(k.split("_"))): v
+             for k, v in AutoscalingSettings().model_dump().items()}
+    assert {k: v for k, v in values.items() if k != "enabled"} == camel
+    assert "autoscaling" not in serve_config(rayservice(manifests(render())))[
+        "applications"][0]["args"]
 
 
 def test_engine_schema_follows_engine_config():

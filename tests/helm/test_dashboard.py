@@ -31,6 +31,8 @@ WORKER_METRICS = {
     "ray_kvserve_kv_recomputed_tokens_total", "ray_kvserve_kv_host_copy_seconds_total",
     "ray_kvserve_kv_restores_total", "ray_kvserve_kv_writebacks_skipped_total",
     "ray_kvserve_kv_host_copy_gbps", "ray_kvserve_prefill_tokens_per_s",
+    "ray_kvserve_spec_decode_drafts_total", "ray_kvserve_spec_decode_draft_tokens_total",
+    "ray_kvserve_spec_decode_accepted_tokens_total",
 }
 INGRESS_METRICS = {"ray_kvserve_requests_rejected_total"}
 ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retries_total",
@@ -38,7 +40,11 @@ ROUTER_METRICS = {"ray_kvserve_router_decisions_total", "ray_kvserve_router_retr
                   "ray_kvserve_migration_bytes_total", "ray_kvserve_migration_failures_total",
                   "ray_kvserve_migration_sessions_total", "ray_kvserve_worker_draining",
                   "ray_kvserve_stream_moves_total", "ray_kvserve_stream_move_stall_seconds",
-                  "ray_kvserve_stream_move_rounds", "ray_kvserve_disagg_handoffs_total",
+                  "ray_kvserve_stream_move_rounds", "ray_kvserve_autoscaler_desired_workers",
+                  "ray_kvserve_autoscaler_workers", "ray_kvserve_autoscaler_decisions_total",
+                  "ray_kvserve_autoscaler_cold_start_seconds",
+                  "ray_kvserve_autoscaler_pressure_to_serving_seconds",
+                  "ray_kvserve_autoscaler_queued_requests", "ray_kvserve_disagg_handoffs_total",
                   "ray_kvserve_disagg_handoff_seconds", "ray_kvserve_disagg_handoff_bytes",
                   "ray_kvserve_disagg_local_prefills_total"}
 EXPORTED = WORKER_METRICS | INGRESS_METRICS | ROUTER_METRICS
@@ -57,8 +63,8 @@ def test_dashboard_structure():
     assert variables["datasource"]["query"] == "prometheus"
     assert {"model", "worker"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Migration",
-                    "Disaggregated serving", "Per-worker load"]
+    assert rows == ["Traffic", "Latency", "KV cache", "Router", "Autoscaling", "Migration",
+                    "Disaggregated serving", "Per-worker load", "Speculative decoding"]
     exprs = []
     for panel in dash["panels"]:
         if panel["type"] == "row":

@@ -21,8 +21,14 @@ class FakeRay:
     def group_pending(self, group: str) -> bool:
         return group in self.pending_groups
 
+    free: list[dict[str, float]] | None = None  # each node's free resources (None: room)
+
     def queued_shapes(self) -> list[tuple[dict[str, float], int]]:
         return self.queued
+
+    def fits_anywhere(self, shape: dict[str, float]) -> bool:
+        return self.free is None or any(
+            all(f.get(k, 0.0) >= v for k, v in shape.items()) for f in self.free)
 
 
 class Clock:
@@ -97,3 +103,16 @@ def test_shapes_compare_as_ray_counts_them():
     w = PlacementWatch(60, ray, clock)
     w.track(0, "a0", {"CPU": 0.5, "GPU": 0.25}, None)
     assert w.check()[0].kind == "waiting"
+
+
+def test_with_no_node_free_every_unplaced_worker_waits_whatever_ray_reports_queued():
+    """Ray's report of queued requests leaves some out at times: a worker without a process
+    whose shape no node has free is waiting, not starting."""
+    ray, clock = FakeRay(placed={"a0"}), Clock()
+    w = _watch(ray, clock)
+    ray.free = [{"CPU": 0.5, "memory": 1e9}]  # less than a worker's {CPU: 1} anywhere
+    got = w.check()
+    assert {i: v.kind for i, v in got.items()} == {0: "placed", 1: "waiting", 2: "waiting"}
+    assert got[1].state == "waiting for resources: {CPU: 1}"
+    ray.free = [{"CPU": 0.5}, {"CPU": 1.0}]  # room on a node: they may be starting there
+    assert {i: v.kind for i, v in w.check().items()} == {1: "starting", 2: "starting"}

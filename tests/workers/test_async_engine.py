@@ -142,3 +142,31 @@ def test_duplicate_request_id_rejected(aengine):
     ids, _, _ = asyncio.run(run())
     assert len(ids) == 30
     wait_idle(aengine)
+
+
+def test_an_abort_goes_before_a_call_queued_after_it(aengine):
+    """An abort that arrives while the engine thread serves calls, then a call under the same
+    request id (a failed hand-off's stream recomputed on the worker that was told to abort
+    it): the abort goes first, so it cannot end what the call brought in."""
+    import threading
+    from types import SimpleNamespace
+
+    started, gate = threading.Event(), threading.Event()
+    marker = SimpleNamespace(imported_at=time.monotonic())  # (an imported stream's stand-in)
+
+    def blocking() -> None:
+        started.set()
+        assert gate.wait(30)
+
+    async def run():
+        first = aengine._call(blocking)
+        assert await asyncio.to_thread(started.wait, 30)
+        aengine.abort("late")  # queued while the engine thread is inside the calls
+        second = aengine._call(lambda: aengine._unclaimed.__setitem__("late", marker))
+        gate.set()
+        await first
+        await second
+        await asyncio.sleep(0.2)  # (the engine thread passes again)
+        return await aengine._call(lambda: aengine._unclaimed.pop("late", None))
+
+    assert asyncio.run(run()) is marker

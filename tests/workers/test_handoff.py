@@ -58,6 +58,7 @@ def wait_clean(*workers: WorkerActor) -> None:
 
 
 def joined(chunks: list[dict]) -> tuple[list[int], str]:
+    assert all("token_ids" in c for c in chunks), chunks  # (an error or marker among them)
     return [t for c in chunks for t in c["token_ids"]], "".join(c["text"] for c in chunks)
 
 

@@ -521,23 +521,16 @@ class AsyncLLMEngine:
                 self._handoffs[seq.request_id] = _Handoff(
                     getattr(seq, "handoff_lease_s", LEASE_S))
         # after the adds: a request cancelled right after it was queued is dropped here
-        while True:
-            try:
-                rid = self._aborts.get_nowait()
-            except queue.Empty:
-                break
-            eng.abort(rid)
-            self._streams.pop(rid, None)
-            self._moving.pop(rid, None)
-            self._unclaimed.pop(rid, None)
-            self._live_out.pop(rid, None)
-            if self._handoffs.pop(rid, None) is not None:
-                self._resolve_waits(rid, {"gone": f"request {rid!r} was aborted"})
+        self._apply_aborts()
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
                 break
+            # an abort queued before this call goes first: an abort of a request id followed
+            # by an import under that id (a failed hand-off recomputed on the same worker)
+            # must not end the imported stream
+            self._apply_aborts()
             try:
                 fut.set_result(fn())
             except Exception as e:
@@ -561,6 +554,21 @@ class AsyncLLMEngine:
                 eng.abort(rid)
                 self._streams.pop(rid, None)
                 del self._unclaimed[rid]
+
+    def _apply_aborts(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                rid = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            eng.abort(rid)
+            self._streams.pop(rid, None)
+            self._moving.pop(rid, None)
+            self._unclaimed.pop(rid, None)
+            self._live_out.pop(rid, None)
+            if self._handoffs.pop(rid, None) is not None:
+                self._resolve_waits(rid, {"gone": f"request {rid!r} was aborted"})
 
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

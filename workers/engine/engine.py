@@ -30,6 +30,7 @@ from kvserve.workers.engine.adapters import Adapter, AdapterManager
 from kvserve.workers.engine.sampler import SampledBatch, Sampler, SamplerOutput, make_generator
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.sequence import Sequence, Status
+from kvserve.workers.engine.speculative import Speculator
 from kvserve.workers.loading.loader import load_model, read_model_config
 from kvserve.workers.loading.sharding import check_tensor_parallel
 from kvserve.workers.loading.tokenizer import Tokenizer, load_tokenizer
@@ -97,6 +98,12 @@ class LLMEngine:
         self.host_prefix_hit_tokens = 0  # new requests' prompt tokens served from host
         # how parked streams came back: by copy or recomputed, and why (restore_cost.DECISIONS)
         self.restore_decisions = {stat_key(d, r): 0 for d, r in DECISIONS}
+        # speculative decoding: proposals before each step, verified in it
+        self.spec: Speculator | None = None
+        if config.speculative_config is not None:
+            if progress is not None:
+                progress("calibrating speculative decoding")
+            self.spec = Speculator(config.speculative_config, self)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -243,6 +250,8 @@ class LLMEngine:
             return False
         seq.abort()
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.forget([request_id])
         return True
 
     def has_unfinished(self) -> bool:
@@ -258,9 +267,16 @@ class LLMEngine:
         """
         if self.async_scheduling:
             return self._step_async(finished_only)
+        spec = self.spec
+        if spec is not None:
+            spec.propose()
         plan, seqs = self.scheduler.schedule()
         if plan is None:
             return []
+        if spec is not None:
+            spec.planned(plan)
+            if plan.num_drafts:
+                return self._step_verify(plan, seqs, finished_only)
         logits = self.runner.run(plan, lora=self._lora_rows(seqs))
         rows, sample_seqs = self._sampling_rows(plan, seqs)
         if not rows:
@@ -269,7 +285,63 @@ class LLMEngine:
                                          finished_only)
         if finished:
             self.scheduler.finish(finished)
+        if spec is not None:
+            if finished:
+                spec.forget([s.request_id for s in finished])
+            spec.end_step(sum(not s.params.greedy for s in sample_seqs))
         return outputs
+
+    def _step_verify(self, plan: StepPlan, seqs: list[Sequence],
+                     finished_only: bool) -> list[RequestOutput]:
+        """A step with proposals: the forward, then their verification (the rejected ones'
+        KV rolled back) before the commit, then every stream's emitted tokens."""
+        spec = self.spec
+        assert spec is not None
+        logits = self.runner.launch(plan)
+        rows, sample_seqs = self._sampling_rows(plan, seqs)
+        try:
+            emitted = spec.verify(plan, rows, sample_seqs, logits)
+        except BaseException:
+            self.kv.rollback(plan)
+            raise
+        self.kv.commit(plan)
+        outputs, finished = self._append_tokens(sample_seqs, emitted, finished_only)
+        if finished:
+            self.scheduler.finish(finished)
+            spec.forget([s.request_id for s in finished])
+        spec.end_step(sum((len(s.kv_step.draft) + 1) * (not s.params.greedy) for s in sample_seqs))
+        return outputs
+
+    def _append_tokens(self, seqs: list[Sequence], emitted: list[tuple[list[int], list[float] | None,
+                                                                      list[list[tuple[int, float]]] | None]],
+                       finished_only: bool) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Add each stream's tokens of a verifying step in order, up to the one that ends it
+        (stop id, stop string, length), and build one output per stream."""
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        made = 0
+        for s, (toks, lps, tops) in zip(seqs, emitted, strict=True):
+            g = s.grammar
+            n = 0
+            for m, tok in enumerate(toks):
+                if g is not None and not g.accept(tok):
+                    g.broken = True  # the mask allowed only tokens the grammar takes: a bug
+                s.append(tok, None if lps is None else lps[m], None if tops is None else tops[m])
+                n += 1
+                if s.finish_reason is not None:
+                    break
+            made += n
+            if s.finish_reason is not None:
+                finished.append(s)
+                outputs.append(s.to_output(n))
+            elif finished_only:
+                s.skip_delta()
+            else:
+                outputs.append(s.to_output(n))
+        for s in finished:
+            self.seqs.pop(s.request_id, None)
+        self.generated_tokens += made
+        return outputs, finished
 
     def _step_async(self, finished_only: bool) -> list[RequestOutput]:
         """Plan and launch step N+1, then append step N's tokens (the wait is for step N's
@@ -445,7 +517,10 @@ class LLMEngine:
 
         self._carry += self.flush()  # its last token belongs in the snapshot; its output
         # comes with the next step()
-        return export_stream(self, request_id)
+        data = export_stream(self, request_id)
+        if self.spec is not None:
+            self.spec.forget([request_id])
+        return data
 
     def import_stream(self, data: bytes, request_id: str | None = None) -> str:
         """Queue a snapshot from `export_stream` (this or another engine, same model) as a
@@ -513,6 +588,7 @@ class LLMEngine:
             "demotions_skipped": host.demotions_skipped if host else 0,
             **self.grammars.stats(),
             **self.runner.parallel_stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
             **(self.adapters.stats() if self.adapters is not None else {}),
         }
 

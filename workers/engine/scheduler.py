@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from kvserve.kvcache.hashing import hash_full_blocks
 from kvserve.kvcache.host_cache import ParkedKV
 from kvserve.kvcache.manager import KVCacheFull, KVCacheManager, PrefixHit, StepPlan, StreamStep
-from kvserve.workers.engine.sequence import Sequence, Status
+from kvserve.workers.engine.sequence import NO_DRAFT, Sequence, Status
 
 if TYPE_CHECKING:
     from kvserve.workers.engine.adapters import AdapterManager
@@ -89,6 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.evictions_over_cap = 0
         self.writebacks_skipped = 0  # evictions not written back: recomputing is cheaper
+        self.drafts_dropped = 0  # steps planned again without proposals, which did not fit
         # about the last schedule(): the rows whose step reaches their last known token and
         # so sample (None: all of them), and where its admitted streams start in its list
         self.sampled: list[int] | None = None
@@ -203,13 +204,16 @@ class Scheduler:
             try:
                 plan = self.kv.reserve(steps)
             except KVCacheFull:
+                if any(st.draft for st in steps):
+                    # proposals never cost a stream its place: the step goes without them
+                    self._unadmit(admitted)
+                    for s in self.running:
+                        s.draft = NO_DRAFT
+                    self.drafts_dropped += 1
+                    continue
                 if admitted:
                     # put the newest admitted prompt back and try with one fewer
-                    for s in reversed(admitted):
-                        self.running.remove(s)
-                        self.stop_running(s)
-                        s.status = Status.WAITING
-                        (self.parked if s.parked_kv is not None else self.waiting).appendleft(s)
+                    self._unadmit(admitted)
                     max_admit = len(admitted) - 1
                     continue
                 if self._reap(wait=True):
@@ -225,6 +229,13 @@ class Scheduler:
             partial = set(self._partial)
             self.sampled = [i for i in range(len(seqs)) if i not in partial] if partial else None
             return plan, seqs
+
+    def _unadmit(self, admitted: list[Sequence]) -> None:
+        for s in reversed(admitted):
+            self.running.remove(s)
+            self.stop_running(s)
+            s.status = Status.WAITING
+            (self.parked if s.parked_kv is not None else self.waiting).appendleft(s)
 
     def _pick(self, max_admit: int) -> tuple[list[StreamStep], list[Sequence], list[Sequence]]:
         kv = self.kv
@@ -255,12 +266,19 @@ class Scheduler:
             else:
                 pending = 0
             n = len(ids) + pending - done
+            draft = s.draft  # proposals (speculative decoding): only after a decode token
+            if draft:
+                if n == 1 and not pending and len(draft) < budget:
+                    n += len(draft)
+                else:
+                    draft = s.draft = NO_DRAFT
             if n > budget:
                 n = budget
                 partial.append(len(seqs))  # a chunk short of its last token: nothing to sample
             st = s.kv_step  # the stream's request object, updated rather than rebuilt
             st.target = done + n
             st.pending = pending
+            st.draft = draft
             steps.append(st)
             seqs.append(s)
             budget -= n

@@ -19,6 +19,10 @@ from kvserve.workers.structured.state import GrammarState
 
 if TYPE_CHECKING:
     from kvserve.workers.engine.adapters import Adapter
+    from kvserve.workers.engine.spec_policy import SpecState
+
+# no proposals (shared, never mutated)
+NO_DRAFT: list[int] = []
 
 # Usage((p, c, n)) and RequestOutput((...)) built by tuple.__new__, without a Python frame
 _usage = functools.partial(tuple.__new__, Usage)
@@ -118,6 +122,13 @@ class Sequence:
         # how a parked stream comes back (by copy or recomputed, and why), set on admission
         self.restore_choice: Choice | None = None
         self.num_evictions = 0
+        # speculative decoding: this step's proposed tokens (read by the scheduler; a new list
+        # each step, never mutated) and the stream's acceptance record (`spec_policy.py`)
+        self.draft: list[int] = NO_DRAFT
+        self.spec: SpecState | None = None
+        # an unseeded sampled stream's noise for one step, shared by a draft model and the
+        # target's rows (`speculative.py`)
+        self.spec_gen: torch.Generator | None = None
         # prefilled here for another worker (disaggregated serving): once its first token is
         # sampled it is not planned again; the async engine holds it for the hand-off
         self.handoff = False

@@ -152,6 +152,12 @@ class TorchAttention:
         bs = meta.block_size
         qlens, ctxs = inp.query_lens, inp.context_lens
         dec = qlens == 1
+        verify = inp.verify
+        if verify is not None:
+            # a stream verifying proposals: each of its query rows attends as a decode row
+            # over the keys up to its own position (all written before attention), so the
+            # row computes exactly what a decode step at that position would
+            dec = dec | verify
         n_dec = int(dec.sum())
         plans: dict[int | None, list[_StreamPlan]] = {w: [] for w in self.windows}
         mixed = n_dec < len(qlens)
@@ -163,6 +169,18 @@ class TorchAttention:
                     out.append(_plan_stream(int(q_end[i]) - q, q, ctx, meta.block_tables[i], bs,
                                             window, device))
         step = _StepPlan(plans, None, None, None, all_decode=not mixed)
+        if n_dec and verify is not None:
+            q_end = inp.logits_indices[dec] + 1
+            ql = qlens[dec]
+            qrows = np.repeat(q_end - ql, ql) + (np.arange(int(ql.sum())) - np.repeat(np.cumsum(ql) - ql, ql))
+            lens = inp.positions[qrows] + 1
+            width = -(-int(lens.max()) // bs)
+            owner = np.repeat(inp.rows[dec], ql)
+            step.dec_tables = torch.from_numpy(np.ascontiguousarray(inp.tables[owner, :width]))
+            step.dec_lens = torch.from_numpy(lens.astype(np.int32))
+            if mixed:
+                step.dec_rows = torch.from_numpy(qrows)
+            return step
         if n_dec:
             rows = inp.rows if not mixed else inp.rows[dec]
             lens = (ctxs + 1) if not mixed else ctxs[dec] + 1

@@ -134,7 +134,9 @@ class StepForward:
         of the ids still on the device) travel with its inputs in one copy. `eager`: no CUDA
         graph (a step with LoRA adapters)."""
         graphs = self.graphs
-        if graphs is not None and not eager and graphs.tables is self._device_tables():
+        # a step verifying proposals returns more logits rows than it has streams: eager
+        if graphs is not None and not eager and graphs.tables is self._device_tables() \
+                and step.sample_rows is None:
             key = graphs.key_for(step, sum(a.size for a in extras))
             if key is not None:
                 views = graphs.stage(key, step, extras)
@@ -147,7 +149,7 @@ class StepForward:
         )
         dev = self.device
         extra = self.attn.host_plan(meta) if hasattr(self.attn, "host_plan") else []
-        parts = [step.input_ids, step.positions, step.slot_mapping, step.logits_indices, *extra, *extras]
+        parts = [step.input_ids, step.positions, step.slot_mapping, step.logits_rows, *extra, *extras]
         views = to_device(parts, dev)
         ids, pos, slots, last = views[:4]
         meta.slot_mapping = slots

@@ -214,6 +214,27 @@ class ModelRunner(StepForward):
         log.info("restore cost model: copies %.2f GB/s out, %.2f GB/s in; prefill %.0f tokens/s",
                  host.cost.gbps("out"), host.cost.gbps("in"), host.cost.prefill_tokens_per_s)
 
+    def time_forward(self, counts: list[int]) -> list[float]:
+        """Seconds of one forward of n rows (a prompt chunk from position 0) for each n in
+        `counts`, after a warm-up; the caches and the allocator's order are left as new."""
+        kv = self.kv
+        vocab = self.model_config.vocab_size
+        sid = "kvserve-calibration"
+        out = []
+        for i, n in enumerate([min(16, max(counts)), *counts]):
+            ids = [(7 * j + 1000 * i + 1) % vocab for j in range(n)]  # no prefix hits
+            self._sync()
+            t0 = time.perf_counter()
+            self.execute([StreamStep(sid, ids, n)])
+            self._sync()
+            out.append(time.perf_counter() - t0)
+            kv.free(sid)
+        self._step_events.clear()
+        kv.reset_prefix_cache()
+        kv.pool.reset_order()
+        kv.prefix_queries = kv.prefix_hits = 0
+        return out[1:]
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

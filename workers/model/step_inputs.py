@@ -31,6 +31,17 @@ class StepInputs:
     rows: np.ndarray  # [S] each stream's row in `tables`
     tables: np.ndarray  # [slots, width] int32: every stream's block table (entries past its length stale)
     num_blocks: int  # the most blocks a stream of this step reads
+    # speculative decoding: the rows of T whose logits the step returns (each stream's last,
+    # and every proposed position's and the one before them of a stream with proposals),
+    # and which streams verify proposals (their query rows attend as decode rows); None
+    # when no stream has proposals (the logits rows are `logits_indices`)
+    sample_rows: np.ndarray | None = None
+    verify: np.ndarray | None = None  # [S] bool
+
+    @property
+    def logits_rows(self) -> np.ndarray:
+        """The rows of T whose logits the forward returns."""
+        return self.logits_indices if self.sample_rows is None else self.sample_rows
 
     @property
     def block_tables(self) -> np.ndarray:
@@ -72,8 +83,15 @@ def build_step(plan: StepPlan, block_size: int, max_model_len: int) -> StepInput
         tables, rows = _tables_from_lists([p.block_ids for p in streams]), np.arange(n)
     owner = rows if total == n else np.repeat(rows, qlens)
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return StepInputs(ids, positions, slots, ends - 1, qlens, starts, rows, tables,
+    step = StepInputs(ids, positions, slots, ends - 1, qlens, starts, rows, tables,
                       -(-top // block_size))
+    if plan.num_drafts:
+        drafts = np.fromiter((p.drafts for p in streams), np.int64, n)
+        counts = drafts + 1  # a stream with d proposals: logits of its last d + 1 positions
+        first = np.repeat(ends - counts, counts)
+        step.sample_rows = first + (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+        step.verify = drafts > 0
+    return step
 
 
 def _chunk(tokens: list[int], start: int, target: int) -> list[int]:

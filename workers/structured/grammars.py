@@ -152,13 +152,36 @@ class Grammars:
     def state(self, spec: StructuredOutput) -> GrammarState:
         return GrammarState(spec, _xgr().GrammarMatcher(self.compile(spec)))
 
-    def mask(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-        """Set the logits of tokens each row's grammar refuses to -inf, in place (rows only)."""
+    def mask(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState],
+             drafts: list[list[int]] | None = None) -> None:
+        """Set the logits of tokens each row's grammar refuses to -inf, in place (rows only).
+
+        `drafts` (speculative decoding): `rows[i]` starts `len(drafts[i]) + 1` consecutive
+        rows, row j masked by the grammar after the first j proposals (each matcher walks its
+        proposals and is rolled back)."""
         xgr = _xgr()
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
         bm = self._host_bitmask(logits.shape[0])
-        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bm, rows)
+        if drafts is not None and any(drafts):
+            plain = [i for i, d in enumerate(drafts) if not d]
+            if plain:
+                self._batch.batch_fill_next_token_bitmask(
+                    [states[i].matcher for i in plain], bm, [rows[i] for i in plain])
+            every = []
+            for r, st, d in zip(rows, states, drafts, strict=True):
+                every.extend(range(r, r + len(d) + 1))
+                if not d:
+                    continue
+                m = st.matcher
+                for j in range(len(d) + 1):
+                    m.fill_next_token_bitmask(bm, r + j)
+                    if j < len(d) and not m.accept_token(d[j]):
+                        raise RuntimeError("a proposal the grammar refused reached verification")
+                m.rollback(len(d))
+            rows = every
+        else:
+            self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bm, rows)
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=self.vocab_size,
                                             indices=rows, backend="cpu")

@@ -114,12 +114,20 @@ for the embedded default model. */}}
 {{- if and (gt (float64 .Values.serve.numGpusPerWorker) 0.0) (eq (int .Values.workerGroup.gpus) 0) }}
 {{- fail "serve.numGpusPerWorker > 0 needs GPU worker pods: set workerGroup.gpus (and a -gpu image tag)" }}
 {{- end }}
+{{- if and .Values.serve.autoscaling.enabled (or (gt (int .Values.serve.prefill.workers) 0) (gt (int .Values.serve.decode.workers) 0)) }}
+{{- fail "autoscaling works on mixed workers only; serve.autoscaling.enabled cannot be combined with serve.prefill.workers and serve.decode.workers: turn one of them off" }}
+{{- end }}
 {{- include "kvserve.validateRoles" . }}
-{{- $need := mulf (float64 .Values.serve.numWorkers) (float64 .Values.serve.numGpusPerWorker) }}
+{{- /* mixed workers of every base model (model, and each of models) */}}
+{{- $all := int .Values.serve.numWorkers }}
+{{- range .Values.models | default list }}{{ $all = add $all (.workers | default $.Values.serve.numWorkers) }}{{ end }}
+{{- $count := ternary "serve.numWorkers" "the workers of all base models (serve.numWorkers and models[].workers)" (eq $all (int .Values.serve.numWorkers)) }}
+{{- $need := mulf (float64 $all) (float64 .Values.serve.numGpusPerWorker) }}
 {{- $have := mulf (float64 .Values.workerGroup.maxReplicas) (float64 .Values.workerGroup.gpus) }}
 {{- if gt $need $have }}
-{{- fail (printf "serve.numWorkers x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $need $have) }}
+{{- fail (printf "%s x serve.numGpusPerWorker = %v GPUs, but the worker group has at most workerGroup.maxReplicas x workerGroup.gpus = %v" $count $need $have) }}
 {{- end }}
+{{- include "kvserve.validateAutoscaling" . }}
 {{- $tp := int .Values.serve.tensorParallelSize }}
 {{- $gpw := float64 .Values.serve.numGpusPerWorker }}
 {{- with .Values.serve.engine }}
@@ -136,8 +144,8 @@ for the embedded default model. */}}
 {{- fail (printf "a worker's %d GPUs (serve.tensorParallelSize) must be in one pod: workerGroup.gpus is %d" $tp $pod) }}
 {{- end }}
 {{- $fit := mul (div $pod $tp) (int .Values.workerGroup.maxReplicas) }}
-{{- if lt $fit (int .Values.serve.numWorkers) }}
-{{- fail (printf "serve.numWorkers %d tensor-parallel workers of %d GPUs each, but the worker pods hold at most %d (workerGroup.maxReplicas x (workerGroup.gpus / serve.tensorParallelSize))" (int .Values.serve.numWorkers) $tp $fit) }}
+{{- if lt $fit $all }}
+{{- fail (printf "%s %d tensor-parallel workers of %d GPUs each, but the worker pods hold at most %d (workerGroup.maxReplicas x (workerGroup.gpus / serve.tensorParallelSize))" $count $all $tp $fit) }}
 {{- end }}
 {{- end }}
 {{- if and (gt $tp 1) (eq $gpw 0.0) (eq (float64 .Values.serve.numCpusPerWorker) 0.0) }}
@@ -147,6 +155,58 @@ for the embedded default model. */}}
 {{- fail "workerGroup.minReplicas must not exceed workerGroup.maxReplicas" }}
 {{- end }}
 {{- include "kvserve.validateTls" . }}
+{{- end }}
+
+{{/*
+kvserve's autoscaling: its bounds, and a worker group that can hold maxWorkers (pods Ray's
+autoscaler adds where the running ones cannot).
+*/}}
+{{- define "kvserve.validateAutoscaling" -}}
+{{- $a := .Values.serve.autoscaling }}
+{{- if $a.enabled }}
+{{- $lo := int $a.minWorkers }}
+{{- $hi := int $a.maxWorkers }}
+{{- if gt $lo $hi }}
+{{- fail (printf "serve.autoscaling.minWorkers (%d) must not exceed serve.autoscaling.maxWorkers (%d)" $lo $hi) }}
+{{- end }}
+{{- $n := int .Values.serve.numWorkers }}
+{{- if or (lt $n (max 1 $lo)) (gt $n $hi) }}
+{{- fail (printf "serve.numWorkers (%d) is where autoscaling starts: it must be within [max(1, serve.autoscaling.minWorkers), serve.autoscaling.maxWorkers] = [%d, %d]" $n (max 1 $lo) $hi) }}
+{{- end }}
+{{- if not (lt (float64 $a.downscaleKvUse) (float64 $a.upscaleKvUse)) }}
+{{- fail "serve.autoscaling.downscaleKvUse must be below serve.autoscaling.upscaleKvUse" }}
+{{- end }}
+{{- /* workers one worker pod holds: by GPUs, else by the CPUs Ray sees in the pod */}}
+{{- $perPod := 0 }}
+{{- $by := "" }}
+{{- $gpw := float64 .Values.serve.numGpusPerWorker }}
+{{- $cpw := float64 .Values.serve.numCpusPerWorker }}
+{{- if gt $gpw 0.0 }}
+{{- $perPod = int (floor (divf (float64 .Values.workerGroup.gpus) $gpw)) }}
+{{- $by = "workerGroup.gpus / serve.numGpusPerWorker" }}
+{{- else if gt $cpw 0.0 }}
+{{- $cpu := toString (index .Values.workerGroup.rayStartParams "num-cpus" | default (.Values.workerGroup.resources.limits | default dict).cpu | default (.Values.workerGroup.resources.requests | default dict).cpu | default "0") }}
+{{- $cores := 0.0 }}
+{{- if hasSuffix "m" $cpu }}
+{{- $cores = divf (float64 (trimSuffix "m" $cpu)) 1000.0 }}
+{{- else }}
+{{- $cores = float64 $cpu }}
+{{- end }}
+{{- $perPod = int (floor (addf (divf $cores $cpw) 0.000001)) }}
+{{- $by = "the pod's CPUs / serve.numCpusPerWorker" }}
+{{- end }}
+{{- if gt $perPod 0 }}
+{{- $pods := int (ceil (divf (float64 $hi) (float64 $perPod))) }}
+{{- if lt (int .Values.workerGroup.maxReplicas) $pods }}
+{{- fail (printf "serve.autoscaling.maxWorkers %d needs %d worker pods (%d per pod: %s), but workerGroup.maxReplicas is %d" $hi $pods $perPod $by (int .Values.workerGroup.maxReplicas)) }}
+{{- end }}
+{{- if and (not .Values.autoscaling.enabled) (lt (int .Values.workerGroup.replicas) $pods) }}
+{{- fail (printf "serve.autoscaling.maxWorkers %d needs %d worker pods (%d per pod: %s), and workerGroup.replicas starts %d: turn on autoscaling.enabled (Ray's autoscaler adds the pods the workers wait for) or raise workerGroup.replicas" $hi $pods $perPod $by (int .Values.workerGroup.replicas)) }}
+{{- end }}
+{{- else if gt $gpw 0.0 }}
+{{- fail (printf "a worker pod holds no worker: workerGroup.gpus %d < serve.numGpusPerWorker %v" (int .Values.workerGroup.gpus) .Values.serve.numGpusPerWorker) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Prefill and decode worker values that cannot work together fail the render. */}}
@@ -243,6 +303,13 @@ for the embedded default model. */}}
 {{- end }}
 {{- end }}
 
+{{/* "true" when a base model (model, or one of models) comes from the Hugging Face Hub. */}}
+{{- define "kvserve.fromHub" -}}
+{{- $hub := .Values.model.id }}
+{{- range .Values.models | default list }}{{ if .id }}{{ $hub = true }}{{ end }}{{ end }}
+{{- if $hub }}true{{ end }}
+{{- end }}
+
 {{/* Volumes of every Ray pod: /dev/shm in memory, and the model volume if any. */}}
 {{- define "kvserve.volumes" -}}
 - name: shm
@@ -282,7 +349,7 @@ for the embedded default model. */}}
               path: ca.crt
       {{- end }}
 {{- end }}
-{{- if .Values.model.id }}
+{{- if include "kvserve.fromHub" . }}
 {{- with .Values.model.cache }}
 - name: hf-cache
 {{- if .persistentVolumeClaim }}
@@ -304,7 +371,7 @@ for the embedded default model. */}}
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
-{{- if .Values.model.id }}
+{{- if include "kvserve.fromHub" . }}
 - name: hf-cache
   mountPath: {{ .Values.model.cache.mountPath }}
 {{- end }}
@@ -324,7 +391,7 @@ for the embedded default model. */}}
       name: {{ include "kvserve.apiKeysSecretName" . }}
       key: {{ .Values.apiKeys.secretKey }}
 {{- end }}
-{{- if .Values.model.id }}
+{{- if include "kvserve.fromHub" . }}
 - name: HF_HOME
   value: {{ .Values.model.cache.mountPath | quote }}
 {{- end }}
@@ -379,6 +446,7 @@ livenessProbe:
   "num_gpus_per_worker" $s.numGpusPerWorker
   "num_cpus_per_worker" $s.numCpusPerWorker
   "tensor_parallel_size" $s.tensorParallelSize
+  "speculative_config" $s.speculativeConfig
   "stream_interval_ms" $s.streamIntervalMs
   "engine" $engine
   "http_host" "0.0.0.0"
@@ -399,6 +467,50 @@ livenessProbe:
   "disagg_local_prefix_share" $s.disagg.localPrefixShare
   "disagg_failure_policy" $s.disagg.failurePolicy
 }}
+{{- with $s.autoscaling }}
+{{- if .enabled }}
+{{- $_ := set $args "autoscaling" (dict
+  "min_workers" .minWorkers "max_workers" .maxWorkers
+  "upscale_delay_s" .upscaleDelayS "downscale_delay_s" .downscaleDelayS
+  "downscale_to_zero_delay_s" .downscaleToZeroDelayS "max_step" .maxStep
+  "upscale_kv_use" .upscaleKvUse "downscale_kv_use" .downscaleKvUse
+  "upscale_waiting" .upscaleWaiting "upscale_ttft_s" .upscaleTtftS
+  "ttft_window_s" .ttftWindowS "max_queued_requests" .maxQueuedRequests
+  "queue_timeout_s" .queueTimeoutS "drain_timeout_s" .drainTimeoutS) }}
+{{- end }}
+{{- end }}
+{{- $more := list }}
+{{- range $i, $m := .Values.models | default list }}
+{{- if and $m.id $m.path }}
+{{- fail (printf "models[%d]: set id (a Hugging Face Hub name) or path (a file on the model volume), not both" $i) }}
+{{- end }}
+{{- if not (or $m.id $m.path) }}
+{{- fail (printf "models[%d]: set id (a Hugging Face Hub name) or path (a file on the model volume)" $i) }}
+{{- end }}
+{{- if and $m.revision (not $m.id) }}
+{{- fail (printf "models[%d].revision needs models[%d].id (a Hugging Face Hub name)" $i $i) }}
+{{- end }}
+{{- $p := $m.path }}
+{{- if $m.id }}
+{{- $p = $m.id }}
+{{- with $m.revision }}{{ $p = printf "%s@%s" $p . }}{{ end }}
+{{- else if not (hasPrefix "/" $m.path) }}
+{{- if not (or $.Values.model.volume.persistentVolumeClaim $.Values.model.volume.hostPath) }}
+{{- fail (printf "models[%d].path is relative to the model volume: set model.volume.persistentVolumeClaim or model.volume.hostPath (or give an absolute path inside the image)" $i) }}
+{{- end }}
+{{- $p = printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) $m.path }}
+{{- end }}
+{{- $e := dict "model" $p }}
+{{- with $m.servedModelName }}{{ $_ := set $e "served_model_name" . }}{{ end }}
+{{- with $m.workers }}{{ $_ := set $e "num_workers" . }}{{ end }}
+{{- $more = append $more $e }}
+{{- end }}
+{{- if $more }}
+{{- if or (and $s.autoscaling $s.autoscaling.enabled) $s.prefill.workers $s.decode.workers $s.speculativeConfig }}
+{{- fail "models: several base models cannot be combined with serve.autoscaling, serve.prefill / serve.decode workers or serve.speculativeConfig yet; serve one base model per release for those" }}
+{{- end }}
+{{- $_ := set $args "models" $more }}
+{{- end }}
 {{- $lora := $s.lora | default dict }}
 {{- if or $lora.enabled $lora.adapters }}
 {{- $_ := set $args "enable_lora" true }}

@@ -39,15 +39,19 @@ class StepMessage:
     rows: np.ndarray
     num_blocks: int
     tables: TableDelta
+    sample_rows: np.ndarray | None = None  # a step verifying proposals (speculative decoding)
+    verify: np.ndarray | None = None
 
     @classmethod
     def of(cls, step: StepInputs, tables: TableDelta) -> StepMessage:
         return cls(step.input_ids, step.positions, step.slot_mapping, step.logits_indices,
-                   step.query_lens, step.context_lens, step.rows, step.num_blocks, tables)
+                   step.query_lens, step.context_lens, step.rows, step.num_blocks, tables,
+                   step.sample_rows, step.verify)
 
     def inputs(self, array: np.ndarray) -> StepInputs:
         return StepInputs(self.input_ids, self.positions, self.slot_mapping, self.logits_indices,
-                          self.query_lens, self.context_lens, self.rows, array, self.num_blocks)
+                          self.query_lens, self.context_lens, self.rows, array, self.num_blocks,
+                          self.sample_rows, self.verify)
 
 
 def pack(t: torch.Tensor) -> Packed:
