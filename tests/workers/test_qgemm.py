@@ -1,6 +1,6 @@
 """The int8 matmul on quantized blocks (csrc/qgemm.c) against gguf's dequantization: every
 weight type, 1-17 activation rows (both activation layouts), the portable path against
-this host's SIMD one, and the AVX-512 / AVX-VNNI paths at least compiled."""
+this host's SIMD one, the AVX-512 / AVX-VNNI builds compiled and their code run with dpbusd emulated."""
 
 from __future__ import annotations
 
@@ -131,6 +131,20 @@ def test_portable_build_gives_the_same_bits(lib, qtype: str) -> None:
     for m in (1, 3, 8, 13):
         qw, x, _ = _case(qtype, m, seed=2)
         assert torch.equal(qlinear_int8(x, qw, portable), qlinear_int8(x, qw, lib)), m
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_vnni_code_paths_give_the_same_bits(lib, qtype: str) -> None:
+    """The VNNI build's own code (dpbusd accumulation, Q6_K's 32-bit scale lanes) with
+    dpbusd emulated in scalar where the host has no VNNI: the same bits as this host's
+    build, both activation layouts. (On a VNNI host both builds take the real instruction.)"""
+    if lib.qgemm_simd_level() == 0:
+        pytest.skip("this host has no AVX2: the VNNI paths build on the AVX2 ones")
+    vnni = require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",)))
+    assert vnni.qgemm_simd_level() == 2
+    for m in (1, 3, 8, 13):
+        qw, x, _ = _case(qtype, m, seed=3)
+        assert torch.equal(qlinear_int8(x, qw, vnni), qlinear_int8(x, qw, lib)), m
 
 
 @pytest.mark.parametrize("flags", [("-mavx512f", "-mavx512vl", "-mavx512vnni"), ("-mavxvnni",)],

@@ -34,6 +34,22 @@
 #elif defined(__AVXVNNI__)
 #define QG_VNNI 1
 #define QG_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#elif defined(QG_EMULATE_VNNI)
+// Tests only: the VNNI code paths on a host without VNNI, dpbusd written out in scalar
+// (each 32-bit lane adds its four u8 x s8 products, no saturation).
+#define QG_VNNI 1
+static inline __m256i qg_dpbusd_emul(__m256i acc, __m256i u, __m256i s) {
+    uint8_t a[32];
+    int8_t b[32];
+    int32_t c[8];
+    _mm256_storeu_si256((__m256i *)a, u);
+    _mm256_storeu_si256((__m256i *)b, s);
+    _mm256_storeu_si256((__m256i *)c, acc);
+    for (int i = 0; i < 8; ++i)
+        for (int k = 0; k < 4; ++k) c[i] += (int32_t)a[4 * i + k] * (int32_t)b[4 * i + k];
+    return _mm256_loadu_si256((const __m256i *)c);
+}
+#define QG_DPBUSD(acc, u, s) qg_dpbusd_emul((acc), (u), (s))
 #endif
 #endif
 
