@@ -59,6 +59,7 @@ CHATS = [
     "Write a short poem about the sea.",
     "What is 12 plus 30?",
     "Who wrote Romeo and Juliet?",
+    "What is the capital of France?",
 ]
 
 
