@@ -63,6 +63,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="verify every proposal whatever the cost model says (the verify path's "
                         "raw figures, not what serving gets)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="exact",
+                   help="CPU on GGUF blocks: float32 activations (exact, the engine's default) or "
+                        "8-bit ones (int8: verifying k+1 rows reads each weight block once)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_spec)
@@ -106,7 +109,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
             print(f"unknown workload {w!r} (copy, chat)", file=sys.stderr)
             return 2
     kw = {"num_threads": threads, "max_num_seqs": max(a.max_num_seqs, max(batches)),
-          "host_cache_gib": 0}
+          "host_cache_gib": 0, "cpu_matmul": a.cpu_matmul}
     off = LLM(a.model, **kw)
     on = LLM(a.model, speculative_config=spec, **kw)
     if a.always:
