@@ -44,7 +44,7 @@ def build_model(
     quantized: dict[str, QuantizedWeight] | None = None,
     quantized_decode: bool = True,
     tp: TensorParallel | None = None,
-    cpu_matmul: str = "int8",
+    cpu_matmul: str = "exact",
 ) -> DecoderModel:
     """The family's model over `weights`; with `tp`, a tensor-parallel rank's (its shards of
     the weights, as the loader read them for its rank)."""
