@@ -604,6 +604,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
+    e.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
+                   help="CPU workers on GGUF blocks: float32 activations (exact, the default) "
+                        "or 8-bit ones with integer dot products (int8, llama.cpp's scheme)")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's names: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (also "
@@ -634,8 +637,8 @@ def config_from_args(a: Any) -> ServeConfig:
     engine = {k: v for k, v in {
         "kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
         "max_num_seqs": a.max_num_seqs, "num_threads": a.threads,
-        "dtype": a.dtype, "block_size": a.block_size, "host_cache_gib": a.host_cache_gib,
-        "host_restore_policy": a.host_restore_policy}.items() if v is not None}
+        "dtype": a.dtype, "cpu_matmul": a.cpu_matmul, "block_size": a.block_size,
+        "host_cache_gib": a.host_cache_gib, "host_restore_policy": a.host_restore_policy}.items() if v is not None}
     gpus = a.gpus_per_worker
     role_gpus = {"prefill": a.prefill_gpus_per_worker, "decode": a.decode_gpus_per_worker}
     if gpus is None:

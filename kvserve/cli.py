@@ -11,7 +11,7 @@ DEFAULT_SYSTEM = None
 
 # the flags of _engine_args (their argparse names)
 ENGINE_FLAGS = ("model", "kv_cache_tokens", "block_size", "dtype", "device", "max_model_len",
-                "threads", "tensor_parallel_size")
+                "threads", "tensor_parallel_size", "cpu_matmul")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="devices the engine spans (one rank process per device)")
+    g.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
+                   help="CPU on GGUF blocks: float32 activations (exact, the default) or 8-bit "
+                        "ones with integer dot products (int8, llama.cpp's scheme)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s names: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' or method draft_model with "model"')
@@ -52,7 +55,7 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_tokens": a.kv_cache_tokens, "block_size": a.block_size, "dtype": a.dtype,
         "device": a.device, "max_model_len": a.max_model_len, "num_threads": a.threads,
         "tensor_parallel_size": a.tensor_parallel_size,
-        "speculative_config": a.speculative_config,
+        "speculative_config": a.speculative_config, "cpu_matmul": a.cpu_matmul,
     }
     return {k: v for k, v in keys.items() if v is not None}
 

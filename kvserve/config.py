@@ -51,7 +51,14 @@ class EngineConfig(BaseModel):
         "on the device; None = on for CUDA, off on the CPU (no device to overlap with)",
     )
     quantized_decode: bool = Field(
-        True, description="CPU float32: small-batch linears read the GGUF's quantized blocks"
+        True, description="CPU float32: linears read the GGUF's quantized blocks (off: "
+        "dequantized float32 weights everywhere)"
+    )
+    cpu_matmul: Literal["int8", "exact"] = Field(
+        "exact", description="CPU float32 on quantized blocks: 'exact' keeps the activations "
+        "float32 (blocks read at up to 16 rows, MKL's float32 GEMM on dequantized weights "
+        "above); 'int8' quantizes each matmul's activations to 8 bits per 32 values and "
+        "multiplies them with integer dot products (llama.cpp's scheme), at every batch size",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads (of all ranks together); None = all cores")

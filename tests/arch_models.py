@@ -187,9 +187,12 @@ def _tokenizer_fields() -> dict[str, Any]:
             if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
 
 
-def write_arch_gguf(path: str | os.PathLike[str], hf_dir: str, arch: str) -> str:
-    """Convert the tiny HF model in `hf_dir` to a float32 GGUF with llama.cpp's names and keys."""
+def write_arch_gguf(path: str | os.PathLike[str], hf_dir: str, arch: str, qtype: Any = None) -> str:
+    """Convert the tiny HF model in `hf_dir` to a GGUF with llama.cpp's names and keys: float32,
+    or its 2-D weights in `qtype` (a gguf.GGMLQuantizationType) as llama.cpp's quantizer
+    leaves norms and rope factors float32."""
     import gguf
+    from tiny_models import quantize_blocks
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json"), encoding="utf-8"))
     model = hf_class(arch).from_pretrained(hf_dir, dtype=torch.float32)
@@ -260,7 +263,11 @@ def write_arch_gguf(path: str | os.PathLike[str], hf_dir: str, arch: str) -> str
         array = tensor.detach().numpy().astype(np.float32)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's Gemma norms hold 1 + w
-        writer.add_tensor(gguf_tensor_name(arch, hf_name), array)
+        if qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_tensor_name(arch, hf_name), quantize_blocks(array, qtype),
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_tensor_name(arch, hf_name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -47,5 +47,13 @@ def smol_llm(smol_path):
     return LLM(smol_path, kv_cache_tokens=16384)
 
 
+@pytest.fixture(scope="session")
+def smol_llm_int8(smol_path):
+    """The default model with 8-bit activations (cpu_matmul int8, llama.cpp's scheme)."""
+    from kvserve import LLM
+
+    return LLM(smol_path, kv_cache_tokens=4096, cpu_matmul="int8", host_cache_gib=0)
+
+
 # The session's Ray + Serve app (`serve_app`), started only by tests that use it.
 from serve_fixtures import serve_app  # noqa: E402, F401

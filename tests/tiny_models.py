@@ -262,7 +262,7 @@ def write_gguf(
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, quantize_blocks(array, qtype), raw_dtype=qtype)
     if rope.get("rope_type") == "llama3" and "rope_freqs.weight" not in dropped:
         # llama.cpp keeps no llama3 metadata, only the precomputed per-dimension factors.
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
@@ -272,6 +272,59 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return os.fspath(path)
+
+
+def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
+    """Q4_K or Q6_K blocks of a 2-D float array ([rows, cols], cols a multiple of 256) as raw
+    bytes [rows, cols / 256 * block bytes], quantized plainly (no search for the best scales,
+    as llama.cpp does: these only need to be valid blocks for tests)."""
+    import gguf
+
+    rows, cols = array.shape
+    x = array.astype(np.float32).reshape(-1, 256)
+    n = x.shape[0]
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        sub = x.reshape(n, 8, 32)
+        lo = np.minimum(sub.min(-1), 0)  # the min is -dmin * m with m >= 0
+        scale = (sub.max(-1) - lo) / 15
+        d = np.maximum(scale.max(-1, keepdims=True) / 63, 1e-8).astype(np.float16).astype(np.float32)
+        dmin = np.maximum((-lo).max(-1, keepdims=True) / 63, 1e-8).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.rint(scale / d), 1, 63).astype(np.uint8)
+        m = np.clip(np.rint(-lo / dmin), 0, 63).astype(np.uint8)
+        eff_d = (d * sc)[..., None]
+        q = np.clip(np.rint((sub + (dmin * m)[..., None]) / eff_d), 0, 15).astype(np.uint8)
+        scales = np.zeros((n, 12), np.uint8)
+        scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+        scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+        scales[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+        q = q.reshape(n, 4, 2, 32)
+        qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+        blocks = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8),
+                                 scales, qs], axis=1)
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:
+        sub = x.reshape(n, 16, 16)
+        scale = np.abs(sub).max(-1) / 31
+        d = np.maximum(scale.max(-1, keepdims=True) / 127, 1e-8).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.rint(scale / d), 1, 127).astype(np.int8)
+        q = np.clip(np.rint(sub / (d * sc)[..., None]), -32, 31).astype(np.int16) + 32
+        q = q.reshape(n, 2, 4, 32).astype(np.uint8)  # half, quarter, 32 values
+        lo = q & 15
+        ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2)
+        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+        blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8),
+                                 d.astype(np.float16).view(np.uint8)], axis=1)
+    else:
+        raise ValueError(f"not a K-quant: {qtype}")
+    return blocks.reshape(rows, -1)
+
+
+def quantize_blocks(array: np.ndarray, qtype: Any) -> np.ndarray:
+    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q4_K / Q6_K."""
+    import gguf
+
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        return quantize_k(array, qtype)
+    return gguf.quants.quantize(array, qtype)
 
 
 def tiny_model_path(tmp_path_factory) -> str:

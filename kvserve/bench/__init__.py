@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-BENCHES = ("offline", "batched", "attention", "serve", "throughput", "pressure", "multiturn",
-           "soak", "hoststep", "moe", "tp", "migrate", "lora", "spec")
+BENCHES = ("offline", "batched", "agreement", "attention", "serve", "throughput", "pressure",
+           "multiturn", "soak", "hoststep", "moe", "tp", "migrate", "lora", "spec", "matmul")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,11 +6,18 @@ steps run for all B streams at once. Columns, as llama-batched-bench prints them
 N_KV = B*(PP+TG), T_PP/S_PP = prompt time and tokens/s, T_TG/S_TG = generation
 time and tokens/s, T/S = total. The model runner is driven directly (greedy
 argmax, no detokenization), as llama-batched-bench drives llama_decode.
+
+`--llama-batched-bench BIN` runs llama.cpp's own binary on the same GGUF point by point,
+interleaved with kvserve's (kvserve, llama.cpp, next point), and prints both and their
+ratios: the two see the same machine state, which on a shared host drifts within minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import subprocess
 import sys
 import time
 from typing import Any
@@ -31,6 +38,14 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantized-decode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="exact",
+                   help="CPU quantized-block matmuls: float32 activations (exact, the engine's "
+                   "default) or 8-bit ones (int8)")
+    p.add_argument("--llama-batched-bench", default=None, metavar="BIN",
+                   help="also run llama.cpp's llama-batched-bench (this path) on the same GGUF, "
+                   "point by point, interleaved")
+    p.add_argument("--llama-args", default="-fa on",
+                   help="extra llama-batched-bench arguments (with --llama-batched-bench)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_batched)
@@ -101,12 +116,14 @@ def cmd_batched(a: argparse.Namespace) -> int:
     cfg = EngineConfig(model=a.model, kv_cache_tokens=need + 64 * a.block_size, max_num_seqs=max(npl),
                        block_size=a.block_size, enable_prefix_caching=False,
                        max_num_batched_tokens=a.max_num_batched_tokens,
-                       quantized_decode=a.quantized_decode, attention_backend=a.attention_backend,
-                       enforce_eager=a.enforce_eager)
-    loaded = load_model(resolve_model(a.model), DTYPES[cfg.resolved_dtype()])
+                       quantized_decode=a.quantized_decode, cpu_matmul=a.cpu_matmul,
+                       attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+                       host_cache_gib=0)
+    path = resolve_model(a.model)
+    loaded = load_model(path, DTYPES[cfg.resolved_dtype()])
     runner = ModelRunner(loaded, cfg)
     run_point(runner, 16, 4, 2, a.max_num_batched_tokens, seed=99)  # warm-up
-    rows = []
+    rows, peer = [], []
     points = [(pp, tg, b) for pp in npp for tg in ntg for b in npl]
     bar = None
     if a.progress:
@@ -114,7 +131,11 @@ def cmd_batched(a: argparse.Namespace) -> int:
 
         bar = tqdm(total=len(points), desc="batched", unit="pt", file=sys.stderr)
     for i, (pp, tg, b) in enumerate(points):
+        load = os.getloadavg()[0]
         rows.append(run_point(runner, pp, tg, b, a.max_num_batched_tokens, seed=i))
+        rows[-1]["load_1min"] = load
+        if a.llama_batched_bench:
+            peer.append(run_llama_point(a, path, pp, tg, b))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -122,9 +143,63 @@ def cmd_batched(a: argparse.Namespace) -> int:
     if runner.device.type == "cuda":
         add_roofline(runner, rows)
     print(format_table(rows))
+    if peer:
+        print()
+        print(format_comparison(rows, peer))
+    print(f"1-minute load before each point: {min(r['load_1min'] for r in rows):.2f}-"
+          f"{max(r['load_1min'] for r in rows):.2f}; runtime: {runner.runtime}")
     if a.json:
-        write_json(a.json, {"machine": machine_info(torch.get_num_threads()), "results": rows})
+        report: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
+                                  "runtime": runner.runtime, "results": rows}
+        if peer:
+            report["llama_cpp"] = peer
+        write_json(a.json, report)
     return 0
+
+
+def run_llama_point(a: argparse.Namespace, path: str, pp: int, tg: int, b: int) -> dict[str, float]:
+    """One point of llama-batched-bench (llama.cpp's own binary) on the GGUF at `path`,
+    with kvserve's threads and step budget: its row of figures."""
+    import torch
+
+    threads = a.threads or torch.get_num_threads()
+    # a context with room for every stream (llama.cpp splits it evenly over the B streams)
+    ctx = max(512, b * (pp + tg + 32))
+    cmd = [a.llama_batched_bench, "-m", path, "-c", str(ctx),
+           "-b", str(a.max_num_batched_tokens), "-ub", "512", "-npp", str(pp), "-ntg", str(tg),
+           "-npl", str(b), "-t", str(threads), *shlex.split(a.llama_args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = parse_llama_table(out)
+    if len(rows) != 1:
+        raise RuntimeError(f"llama-batched-bench printed {len(rows)} rows for one point: {out[-2000:]}")
+    return rows[0]
+
+
+def parse_llama_table(text: str) -> list[dict[str, float]]:
+    """The rows of llama-batched-bench's markdown table (its `-nan` S_PP at PP=0 reads as 0)."""
+    keys = ["PP", "TG", "B", "N_KV", "T_PP", "S_PP", "T_TG", "S_TG", "T", "S"]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(keys) or not cells[0].isdigit():
+            continue
+        vals = [float(c) if c not in ("-nan", "nan", "inf") else 0.0 for c in cells]
+        rows.append(dict(zip(keys, vals, strict=True)))
+    return rows
+
+
+def format_comparison(rows: list[dict[str, float]], peer: list[dict[str, float]]) -> str:
+    """kvserve's S_PP and S_TG next to llama.cpp's, point by point, and their ratios."""
+    head = ("|    PP |    B | llama.cpp S_PP | kvserve S_PP | ratio | llama.cpp S_TG | "
+            "kvserve S_TG | ratio |")
+    lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
+    for r, q in zip(rows, peer, strict=True):
+        pp_ratio = f"{r['S_PP'] / q['S_PP']:5.2f}" if r["PP"] and q["S_PP"] else "    -"
+        pp_l = f"{q['S_PP']:14.1f}" if r["PP"] else f"{'-':>14}"
+        pp_k = f"{r['S_PP']:12.1f}" if r["PP"] else f"{'-':>12}"
+        lines.append(f"| {int(r['PP']):5d} | {int(r['B']):4d} | {pp_l} | {pp_k} | {pp_ratio} | "
+                     f"{q['S_TG']:14.1f} | {r['S_TG']:12.1f} | {r['S_TG'] / q['S_TG']:5.2f} |")
+    return "\n".join(lines)
 
 
 def add_roofline(runner: Any, rows: list[dict[str, float]]) -> None:

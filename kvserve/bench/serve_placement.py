@@ -56,6 +56,7 @@ def _engine(a: argparse.Namespace, p: Placement, threads: int | None, kv: int | 
 
     kw = {"model": a.model, "kv_cache_tokens": kv, "max_num_seqs": a.max_num_seqs,
           "device": p.device, "dtype": p.dtype, "num_threads": threads,
+          "cpu_matmul": getattr(a, "cpu_matmul", None),
           "async_scheduling": {"on": True, "off": False}.get(getattr(a, "async_scheduling", "auto"))}
     return EngineConfig(**{k: v for k, v in kw.items() if v is not None})
 

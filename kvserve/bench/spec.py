@@ -5,17 +5,18 @@ prompt already holds (code edits, repeated lists: what n-gram proposals are made
 `chat` asks ordinary questions. For each batch size B, B requests (cycling through the
 workload's prompts, each with its own numbers so no two are equal) are generated with one
 `LLM.generate` call by an engine without speculation and by one with it (same model, same
-settings otherwise, both built once and warmed up); greedy, so both must give the same tokens
-(the `identical` column checks it). Figures: output tokens per second of the whole call
-(prompts included), the ratio on/off, and the speculating engine's acceptance over the run
-(vLLM's acceptance rate and mean acceptance length) and its share of steps that verified
-proposals.
+settings otherwise, both built once and warmed up), `--rounds` times each, alternating which
+engine goes first; greedy, so both must give the same tokens (the `identical` column checks
+it). Figures: the median output tokens per second of the whole call (prompts included), the
+ratio of the medians, and the speculating engine's acceptance over the runs (vLLM's
+acceptance rate and mean acceptance length) and its steps that verified proposals (per run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from typing import Any
 
@@ -62,7 +63,13 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--always", action="store_true",
                    help="verify every proposal whatever the cost model says (the verify path's "
                         "raw figures, not what serving gets)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each point per engine, alternating which goes first; the "
+                        "medians are shown")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="exact",
+                   help="CPU on GGUF blocks: float32 activations (exact, the engine's default) or "
+                        "8-bit ones (int8: verifying k+1 rows reads each weight block once)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_spec)
@@ -106,7 +113,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
             print(f"unknown workload {w!r} (copy, chat)", file=sys.stderr)
             return 2
     kw = {"num_threads": threads, "max_num_seqs": max(a.max_num_seqs, max(batches)),
-          "host_cache_gib": 0}
+          "host_cache_gib": 0, "cpu_matmul": a.cpu_matmul}
     off = LLM(a.model, **kw)
     on = LLM(a.model, speculative_config=spec, **kw)
     if a.always:
@@ -121,18 +128,25 @@ def cmd_spec(a: argparse.Namespace) -> int:
         for b in batches:
             convs = prompts(w, b)
             before = spec_counts(on)
-            t_off, out_off = run(off, convs, a.max_tokens)
-            t_on, out_on = run(on, convs, a.max_tokens)
+            rates: dict[str, list[float]] = {"off": [], "on": []}
+            cpu: dict[str, list[float]] = {"off": [], "on": []}
+            outs: dict[str, Any] = {}
+            for r in range(a.rounds):  # off/on, then on/off: drift weighs on both alike
+                for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                    t, outs[name] = run(off if name == "off" else on, convs, a.max_tokens)
+                    rates[name].append(sum(len(o) for o in outs[name]) / t.elapsed)
+                    cpu[name].append(t.cpu / t.elapsed)
             after = spec_counts(on)
-            d = {k: after[k] - before[k] for k in after}
-            n_off = sum(len(o) for o in out_off)
-            n_on = sum(len(o) for o in out_on)
-            same = identical(out_off, out_on)
+            d = {k: (after[k] - before[k]) / a.rounds for k in after}
+            n_on = sum(len(o) for o in outs["on"])
+            same = identical(outs["off"], outs["on"])
             row = {
-                "workload": w, "batch": b, "output_tokens": n_on,
-                "off_tok_s": n_off / t_off.elapsed, "on_tok_s": n_on / t_on.elapsed,
-                "off_cpu_per_wall": t_off.cpu / t_off.elapsed,
-                "on_cpu_per_wall": t_on.cpu / t_on.elapsed,
+                "workload": w, "batch": b, "output_tokens": n_on, "rounds": a.rounds,
+                "off_tok_s": statistics.median(rates["off"]),
+                "on_tok_s": statistics.median(rates["on"]),
+                "round_ratios": [y / x for x, y in zip(rates["off"], rates["on"], strict=True)],
+                "off_cpu_per_wall": statistics.median(cpu["off"]),
+                "on_cpu_per_wall": statistics.median(cpu["on"]),
                 "acceptance_rate": d["spec_accepted_tokens"] / d["spec_draft_tokens"]
                 if d["spec_draft_tokens"] else 0.0,
                 "mean_accepted_length": 1 + d["spec_accepted_tokens"] / d["spec_drafts"]
@@ -146,7 +160,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
             rows.append(row)
             print(f"{w:8} {b:>3} {row['off_tok_s']:>10.1f} {row['on_tok_s']:>9.1f} "
                   f"{row['ratio']:>6.2f}x {row['acceptance_rate']:>7.2f} "
-                  f"{row['mean_accepted_length']:>8.2f} {d['spec_steps']:>10} "
+                  f"{row['mean_accepted_length']:>8.2f} {d['spec_steps']:>10.0f} "
                   f"{same['identical']:>5}/{same['of']}", flush=True)
     report = {"bench": "spec", "speculative_config": json.loads(spec.model_dump_json()),
               "always": a.always, "max_tokens": a.max_tokens,

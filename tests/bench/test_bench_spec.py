@@ -29,7 +29,7 @@ def test_unknown_workload_is_refused(capsys) -> None:
 def test_bench_spec_json(tmp_path, tmp_path_factory, capsys, keep_torch_threads) -> None:
     out = tmp_path / "spec.json"
     argv = ["bench", "spec", "--model", tiny_model_path(tmp_path_factory), "--batch", "1,2",
-            "--max-tokens", "6", "--threads", "1", "--always", "--json", str(out)]
+            "--max-tokens", "6", "--threads", "1", "--always", "--rounds", "2", "--json", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["speculative_config"]["method"] == "ngram" and report["always"] is True
@@ -39,5 +39,6 @@ def test_bench_spec_json(tmp_path, tmp_path_factory, capsys, keep_torch_threads)
     for r in rows:
         assert r["identical"] == r["of"] == r["batch"]  # greedy: the same tokens either way
         assert r["off_tok_s"] > 0 and r["on_tok_s"] > 0
+        assert r["rounds"] == 2 and len(r["round_ratios"]) == 2
         assert 0 <= r["acceptance_rate"] <= 1
     assert "on/off" in capsys.readouterr().out

@@ -29,6 +29,10 @@ def test_generate_and_chat_print_the_answer(capsys):
     assert "Paris" in capsys.readouterr().out
     assert main(["chat", "What is the capital of France?", "--max-tokens", "30"]) == 0
     assert "Paris" in capsys.readouterr().out
+    # 8-bit activations (llama.cpp's scheme) through the flag: the same completion here
+    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "8",
+                 "--cpu-matmul", "int8"]) == 0
+    assert "Paris" in capsys.readouterr().out
 
 
 def test_cli_reports_bad_model_cleanly(capsys, tmp_path):

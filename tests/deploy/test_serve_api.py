@@ -54,7 +54,9 @@ def test_grpc_info_methods(serve_app, stub):
     # what each engine runs, as its start-up log says: the CPU kernels built on this host
     for w in info.workers:
         assert w.runtime["attention"] == "torch, decode in the C kernel", dict(w.runtime)
-        assert w.runtime["linears"].startswith("quantized blocks in the C kernel"), dict(w.runtime)
+        assert w.runtime["linears"].startswith("quantized blocks x float32 activations"), dict(w.runtime)
+        # the session's app enables LoRA: the one-call step would skip the adapters
+        assert w.runtime["decode_step"] == "op by op: LoRA adapters run op by op", dict(w.runtime)
         assert "cuda_graphs" not in w.runtime
     # the host tier's cost model: measured at each worker's start-up, every decision listed
     for w in info.workers:

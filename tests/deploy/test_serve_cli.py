@@ -362,3 +362,16 @@ def test_an_app_whose_ports_serve_does_not_use_is_refused(serve_app):
         assert "set the ports, host and TLS files there" in why
     finally:
         serve.delete("ports-mismatch")
+
+
+def test_cpu_matmul_flag_reaches_the_workers_engine():
+    from kvserve.cli import build_parser
+    from kvserve.deploy.serve_cli import config_from_args
+
+    parse = build_parser().parse_args
+    int8 = config_from_args(parse(["serve", "--cpu-matmul", "int8"]))
+    assert int8.router_config().worker_engine(8)["cpu_matmul"] == "int8"
+    plain = config_from_args(parse(["serve"]))
+    assert "cpu_matmul" not in plain.engine  # the engine's own default (exact)
+    with pytest.raises(SystemExit):
+        parse(["serve", "--cpu-matmul", "fp8"])

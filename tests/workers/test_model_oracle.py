@@ -90,6 +90,32 @@ def test_smollm2_greedy_matches_transformers_on_every_prompt(smol_llm: LLM, hf_s
     _greedy_matches_transformers(smol_llm, hf_smol, PROMPTS, 32)
 
 
+# llama.cpp 0c1e570 (the benchmark docs' build) on these prompts and the chat prompt, 32
+# greedy tokens against transformers on the dequantized weights: the mean common prefix
+LLAMA_CPP_MEAN_PREFIX = 12.4
+
+
+@pytest.mark.slow
+def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm_int8: LLM, hf_smol):
+    """8-bit activations move greedy decoding off transformers' path on some prompts, as
+    llama.cpp's (the same scheme) do: on average no sooner than llama.cpp's do."""
+    from kvserve.bench.common import identical
+
+    tok = smol_llm_int8.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts.append(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the boiling point of water?"}],
+        add_generation_prompt=True, tokenize=True))
+    outs = smol_llm_int8.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    refs = []
+    for ids in prompts:
+        with torch.no_grad():
+            refs.append(hf_smol.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                         do_sample=False, pad_token_id=2)[0, len(ids):].tolist())
+    got = identical(refs, [o.token_ids for o in outs])
+    assert got["mean_common_prefix"] >= LLAMA_CPP_MEAN_PREFIX, got
+
+
 @pytest.mark.parametrize("c_kernel", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["c-decode-kernel", "sdpa-only"])
 def test_isolation_alone_vs_packed(smol_path, c_kernel):

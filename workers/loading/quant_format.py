@@ -1,4 +1,8 @@
-"""ggml quantized weights as loaded from GGUF: the raw blocks of a 2-D weight and its type."""
+"""ggml quantized weights as loaded from GGUF: the raw blocks of a 2-D weight and its type.
+
+The CPU kernels read these blocks in place: csrc/qgemm.c (8-bit activations) every type
+here, csrc/qgemv.c (float32 activations, the exact path) the 32-weight ones
+(`EXACT_QTYPES`)."""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-# ggml type name -> (type id, bytes per 32-weight block)
-QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-QK = 32
+# ggml type name -> (type id, weights per block, bytes per block)
+QTYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
+}
+EXACT_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @dataclass
@@ -16,14 +23,15 @@ class QuantizedWeight:
     """Raw ggml blocks of a 2-D weight, one row of blocks per output feature."""
 
     qtype: str  # a key of QTYPES
-    data: torch.Tensor  # uint8 [N, K // 32 * block bytes], contiguous
+    data: torch.Tensor  # uint8 [N, K // block weights * block bytes], contiguous
     shape: tuple[int, int]  # (N, K) of the dequantized weight
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        if self.qtype not in QTYPES or k % QK:
+        if self.qtype not in QTYPES or k % QTYPES[self.qtype][1]:
             raise ValueError(f"unsupported quantized weight {self.qtype} {self.shape}")
-        if tuple(self.data.shape) != (n, k // QK * QTYPES[self.qtype][1]):
+        _, block, size = QTYPES[self.qtype]
+        if tuple(self.data.shape) != (n, k // block * size):
             raise ValueError(f"raw rows {tuple(self.data.shape)} do not match {self.qtype} {self.shape}")
 
 

@@ -22,15 +22,15 @@ from functools import lru_cache
 log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_FLAGS = [
-    *_BASE_FLAGS,
-    # let gcc vectorise the dot-product reductions; no -ffast-math, which would
-    # assume away the -inf the online softmax starts from
-    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-]
-# The dequantized weights must match gguf's bit for bit: no fused d*q + m.
+# a call to an undeclared function is an error here, not an undefined symbol at load time
+_BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+               "-Werror=implicit-function-declaration"]
+# Every kernel is built alike, with no fused multiply-add the code does not ask for: the
+# dequantized weights must match gguf's bit for bit (no fused d*q + m), and the decode
+# step (decode_step.c, which includes paged_decode.c) must give a row the same bits as the
+# op-by-op forward's separate kernels, so a request's tokens do not depend on the path.
 _QGEMV_FLAGS = [*_BASE_FLAGS, "-ffp-contract=off"]
+_FLAGS = _QGEMV_FLAGS
 
 
 # each kernel's state once it was asked for: "C (<file>)", or why the torch path runs instead
@@ -61,8 +61,9 @@ def _cache_dir() -> str:
     return root
 
 
-def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
-    """Compile csrc/<name>.c once per (source, flags, CPU) and load it; None if impossible."""
+def _build(name: str, flags: list[str], deps: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Compile csrc/<name>.c once per (source and the csrc files it includes, `deps`; flags;
+    CPU) and load it; None if impossible."""
     if os.environ.get("KVSERVE_NO_C_KERNELS"):
         _STATES[name] = "torch (KVSERVE_NO_C_KERNELS is set)"
         return None
@@ -72,8 +73,10 @@ def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
         _STATES[name] = "torch (no C compiler: install gcc for the faster C kernel)"
         return None
     src_path = os.path.join(_CSRC, f"{name}.c")
-    with open(src_path, "rb") as f:
-        src = f.read()
+    src = b""
+    for part in (f"{name}.c", *deps):
+        with open(os.path.join(_CSRC, part), "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + " ".join(flags).encode() + platform.machine().encode())
     key.update(_cpu_signature().encode())
     lib_path = os.path.join(_cache_dir(), f"{name}-{key.hexdigest()[:16]}.so")
@@ -92,7 +95,12 @@ def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             return None
-    lib = ctypes.CDLL(lib_path)
+    try:
+        lib = ctypes.CDLL(lib_path)
+    except OSError as e:  # built, but not loadable here (a missing symbol)
+        log.error("loading the C kernel %s failed (%s): using the slower torch path", name, e)
+        _STATES[name] = f"build failed: {e}"
+        return None
     _STATES[name] = f"C ({os.path.basename(lib_path)})"
     return lib
 
@@ -122,6 +130,52 @@ def load_qgemv() -> ctypes.CDLL | None:
     f.argtypes = [c_int, p, i64, i64, i64, p, i64, p, c_int]
     f.restype = c_int
     return lib
+
+
+_STEP_DEPS = ("qgemm.c", "qgemv.c", "paged_decode.c")
+
+
+@lru_cache(maxsize=4)
+def load_decode_step(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The int8 matmul (csrc/qgemm.c) and the whole-step decode kernel (csrc/decode_step.c,
+    which includes qgemm.c, qgemv.c and paged_decode.c), or None. `extra_flags` (tests):
+    e.g. -mno-avx2 builds the portable path on this host."""
+    lib = _build("decode_step", [*_QGEMV_FLAGS, *extra_flags], deps=_STEP_DEPS)
+    if lib is None:
+        return None
+    lib.qgemm_simd_level.restype = ctypes.c_int
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qgemm_q8.argtypes = [c_int, p, i64, i64, i64, p, i64, i64, p, p, c_int]
+    lib.qgemm_q8.restype = c_int
+    lib.qgemm_q8_ref.argtypes = [c_int, p, i64, i64, i64, p, i64, p, p]
+    lib.qgemm_q8_ref.restype = c_int
+    lib.qgemm_scratch_bytes.argtypes = [i64, i64]
+    lib.qgemm_scratch_bytes.restype = i64
+    lib.decode_step_scratch_bytes.argtypes = [p, i64]
+    lib.decode_step_scratch_bytes.restype = i64
+    lib.decode_step.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, p, p, c_int]
+    lib.decode_step.restype = c_int
+    f32 = ctypes.c_float
+    lib.ds_rms_norm_rows.argtypes = [p, i64, p, p, i64, i64, i64, f32, c_int]
+    lib.ds_rms_norm_rows.restype = None
+    lib.ds_rope_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, c_int]
+    lib.ds_rope_rows.restype = None
+    lib.ds_act_rows.argtypes = [p, i64, i64, i64, p, i64, c_int]
+    lib.ds_act_rows.restype = None
+    return lib
+
+
+def compile_errors(name: str, flags: list[str]) -> str | None:
+    """Compile csrc/<name>.c with `flags` (another target's, say -mavx512vnni) without
+    loading it: the compiler's errors, or None when it compiles. None without a compiler."""
+    cc = compiler()
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        # -O0: whether it compiles, quickly (optimising it is the target host's job)
+        r = subprocess.run([cc, *_QGEMV_FLAGS, *flags, "-O0", "-c", os.path.join(_CSRC, f"{name}.c"),
+                            "-o", os.path.join(tmp, "check.o")], capture_output=True, timeout=120)
+    return r.stderr.decode(errors="replace") if r.returncode != 0 else None
 
 
 def _cpu_signature() -> str:

@@ -35,7 +35,8 @@ class DraftRunner(StepForward):
         self.model_config = cfg
         self.max_model_len = min(max_model_len, cfg.max_position_embeddings)
         self.model = build_model(cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
-                                 quantized=loaded.quantized, quantized_decode=config.quantized_decode)
+                                 quantized=loaded.quantized, quantized_decode=config.quantized_decode,
+                                 cpu_matmul=config.cpu_matmul)
         self.block_size = config.block_size
         window, width = table_geometry(cfg, config)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, False, window,

@@ -61,8 +61,8 @@ def table_geometry(cfg: ModelConfig, config: EngineConfig) -> tuple[int | None, 
 
 def _linears_runtime(loaded: LoadedModel, config: EngineConfig, device: torch.device,
                      dtype: torch.dtype) -> str:
-    """How the linears multiply: through the C kernel on the GGUF's quantized blocks (small
-    batches) or on dequantized weights, and why."""
+    """How the linears multiply: through a C kernel on the GGUF's quantized blocks or on
+    dequantized weights, and why."""
     if not loaded.quantized:
         return f"{str(dtype).removeprefix('torch.')} weights"
     if not (device.type == "cpu" and dtype == torch.float32):
@@ -71,10 +71,24 @@ def _linears_runtime(loaded: LoadedModel, config: EngineConfig, device: torch.de
         return "dequantized to float32 (quantized_decode off)"
     from kvserve.workers.model.cpu_kernels import kernel_states
 
-    state = kernel_states().get("qgemv", "")
-    if state.startswith("C"):
-        return "quantized blocks in the C kernel at small batches, dequantized float32 above"
+    if config.cpu_matmul == "int8":
+        state = kernel_states().get("decode_step", "")
+        if state.startswith("C"):
+            return "quantized blocks x 8-bit activations in the C kernel (cpu_matmul int8)"
+    else:
+        state = kernel_states().get("qgemv", "")
+        if state.startswith("C"):
+            return ("quantized blocks x float32 activations in the C kernel at small batches, "
+                    "dequantized float32 above (cpu_matmul exact)")
     return f"dequantized to float32: {state}"
+
+
+def _step_runtime(model: object) -> str | None:
+    """Whether decode steps run as one C call (workers/model/cpu_decode.py), and why not."""
+    step = getattr(model, "cpu_step", None)
+    if step is None:
+        return None
+    return "one C call per decode step" if step.why_not is None else f"op by op: {step.why_not}"
 
 
 def context_limit(cfg: ModelConfig, config: EngineConfig) -> int:
@@ -121,12 +135,17 @@ class ModelRunner(StepForward):
             num_kv_heads = layout.num_kv_heads
         self.model = build_model(
             cfg, loaded.weights, self.device, self.dtype, self.max_model_len,
-            quantized=loaded.quantized, quantized_decode=config.quantized_decode, tp=tp,
+            quantized=loaded.quantized, quantized_decode=config.quantized_decode,
+            cpu_matmul=config.cpu_matmul, tp=tp,
         )
         # LoRA: the adapted linears get their device slots before any graph is captured
         self.lora: LoRASlots | None = None
         if config.lora_enabled:
             self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank)
+            step = getattr(self.model, "cpu_step", None)
+            if step is not None and step.why_not is None:
+                # the one-call step reads the base weights' blocks and would skip the adapters
+                step.why_not = "LoRA adapters run op by op"
         self.block_size = config.block_size
         on_cuda = self.device.type == "cuda"
         window, width = table_geometry(cfg, config)
@@ -138,6 +157,9 @@ class ModelRunner(StepForward):
         tables = self.kv.tables if ranks is None else ranks.track_tables(self.kv.tables)
         self.setup_device(cfg, config, tables, num_kv_heads, progress)
         self.runtime["linears"] = _linears_runtime(loaded, config, self.device, self.dtype)
+        step = _step_runtime(self.model)
+        if step is not None:
+            self.runtime["decode_step"] = step
         log.info("runtime: %s", "; ".join(f"{k}: {v}" for k, v in self.runtime.items()))
         self.host: HostTier | None = None
         host_bytes = (default_host_bytes() if config.host_cache_gib is None

@@ -22,10 +22,10 @@
 
 // Per item: the item's query rows pre-scaled, empty accumulators, softmax state.
 static inline void begin_item(const float *q, float (*qs)[MAX_D], float (*acc)[MAX_D], float *m,
-                              float *l, int64_t b, int64_t h, int64_t Hq, int64_t D,
+                              float *l, int64_t b, int64_t ldq, int64_t qh0, int64_t D,
                               int64_t rep, float scale) {
     for (int64_t r = 0; r < rep; ++r) {
-        const float *qr = q + (b * Hq + h * rep + r) * D;
+        const float *qr = q + b * ldq + (qh0 + r) * D;
         for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
         memset(acc[r], 0, sizeof(float) * D);
         m[r] = -INFINITY;
@@ -47,9 +47,9 @@ static inline void fix_scores(float (*s)[MAX_BS + 8], int64_t rep, int64_t n, in
 
 // Per item: normalise the accumulators into the output rows.
 static inline void end_item(float *out, float (*acc)[MAX_D], const float *l, int64_t b,
-                            int64_t h, int64_t Hq, int64_t D, int64_t rep) {
+                            int64_t ldo, int64_t qh0, int64_t D, int64_t rep) {
     for (int64_t r = 0; r < rep; ++r) {
-        float *o = out + (b * Hq + h * rep + r) * D;
+        float *o = out + b * ldo + (qh0 + r) * D;
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
     }
@@ -77,25 +77,27 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-static inline float hsum(__m256 v) {
+static inline float kv_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-// One (stream, kv head) item. D is a compile-time constant where inlined from
-// the dispatch below, so the D/8 chunk loops unroll fully.
+// One item: stream b, kv head h, the `rep` query heads from qh0 on (all that share h,
+// or fewer when the work is split finer); q and out rows of stream b start at b * ldq
+// and b * ldo. D is a compile-time constant where inlined from the dispatch below, so
+// the D/8 chunk loops unroll fully.
 static inline __attribute__((always_inline)) void item_avx2(
     const float *q, const float *k, const float *v, float *out, const int32_t *table,
-    int32_t L, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, const int64_t D, int64_t bs,
-    int64_t rep, float scale, int64_t first, float cap) {
+    int32_t L, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t qh0, int64_t Hkv,
+    const int64_t D, int64_t bs, int64_t rep, float scale, int64_t first, float cap) {
     float qs[MAX_REP][MAX_D] __attribute__((aligned(32)));
     float acc[MAX_REP][MAX_D] __attribute__((aligned(32)));
     float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
     float m[MAX_REP], l[MAX_REP];
     const int64_t C = D / 8;
-    begin_item(q, qs, acc, m, l, b, h, Hq, D, rep, scale);
+    begin_item(q, qs, acc, m, l, b, ldq, qh0, D, rep, scale);
     for (int64_t t0 = first / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
@@ -120,7 +122,7 @@ static inline __attribute__((always_inline)) void item_avx2(
                     a1 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
                 }
                 if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-                s[r][j] = hsum(_mm256_add_ps(a0, a1));
+                s[r][j] = kv_hsum(_mm256_add_ps(a0, a1));
             }
         }
         fix_scores(s, rep, n, t0, first, cap);
@@ -141,7 +143,7 @@ static inline __attribute__((always_inline)) void item_avx2(
                 _mm256_store_ps(s[r] + j, e);
                 lsum = _mm256_add_ps(lsum, e);
             }
-            float lt = hsum(lsum);
+            float lt = kv_hsum(lsum);
             for (; j < n; ++j) {
                 s[r][j] = expf(s[r][j] - mx);
                 lt += s[r][j];
@@ -166,20 +168,20 @@ static inline __attribute__((always_inline)) void item_avx2(
             }
         }
     }
-    end_item(out, acc, l, b, h, Hq, D, rep);
+    end_item(out, acc, l, b, ldo, qh0, D, rep);
 }
 #endif
 
 // The portable path (any D, no AVX2): same algorithm, libm exponentials.
 static void item_generic(const float *q, const float *k, const float *v, float *out,
-                         const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t bs, int64_t rep, float scale,
-                         int64_t first, float cap) {
+                         const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t ldq,
+                         int64_t ldo, int64_t qh0, int64_t Hkv, int64_t D, int64_t bs,
+                         int64_t rep, float scale, int64_t first, float cap) {
     float qs[MAX_REP][MAX_D];
     float acc[MAX_REP][MAX_D];
     float m[MAX_REP], l[MAX_REP];
     float s[MAX_REP][MAX_BS + 8];
-    begin_item(q, qs, acc, m, l, b, h, Hq, D, rep, scale);
+    begin_item(q, qs, acc, m, l, b, ldq, qh0, D, rep, scale);
     for (int64_t t0 = first / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
@@ -214,7 +216,30 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             }
         }
     }
-    end_item(out, acc, l, b, h, Hq, D, rep);
+    end_item(out, acc, l, b, ldo, qh0, D, rep);
+}
+
+// One item through the fastest path for D.
+static void pd_item(const float *q, const float *k, const float *v, float *out,
+                    const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t ldq,
+                    int64_t ldo, int64_t qh0, int64_t Hkv, int64_t D, int64_t bs, int64_t rep,
+                    float scale, int64_t window, float cap) {
+    const int64_t first = window > 0 && L > window ? L - window : 0;
+#ifdef KV_AVX2
+    if (D == 64) {
+        item_avx2(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, 64, bs, rep, scale, first, cap);
+        return;
+    }
+    if (D == 128) {
+        item_avx2(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, 128, bs, rep, scale, first, cap);
+        return;
+    }
+    if (D % 8 == 0) {
+        item_avx2(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
+        return;
+    }
+#endif
+    item_generic(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
 }
 
 // q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32;
@@ -229,24 +254,8 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / Hkv, h = it % Hkv;
-        const int32_t L = seq_lens[b];
-        const int32_t *table = tables + b * max_blocks;
-        const int64_t first = window > 0 && L > window ? L - window : 0;
-#ifdef KV_AVX2
-        if (D == 64) {
-            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 64, bs, rep, scale, first, cap);
-            continue;
-        }
-        if (D == 128) {
-            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, 128, bs, rep, scale, first, cap);
-            continue;
-        }
-        if (D % 8 == 0) {
-            item_avx2(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale, first, cap);
-            continue;
-        }
-#endif
-        item_generic(q, k, v, out, table, L, b, h, Hq, Hkv, D, bs, rep, scale, first, cap);
+        pd_item(q, k, v, out, tables + b * max_blocks, seq_lens[b], b, h, Hq * D, Hq * D, h * rep,
+                Hkv, D, bs, rep, scale, window, cap);
     }
     return 0;
 }

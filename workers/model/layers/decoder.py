@@ -11,6 +11,7 @@ fit, the torch ops elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from kvserve.workers.model.layers.norm import RMSNorm
 from kvserve.workers.model.layers.parallel import TensorParallel
 from kvserve.workers.model.layers.self_attention import SelfAttention, Step
 from kvserve.workers.model.quant_linear import Linear
+
+if TYPE_CHECKING:
+    from kvserve.workers.model.cpu_decode import CpuDecodeStep
 
 
 @dataclass
@@ -50,6 +54,8 @@ class DecoderModel:
     # a tensor-parallel rank's model (set by the registry): `embed` and `lm_head` hold its
     # vocabulary rows, and the forward meets the other ranks there
     tp: TensorParallel | None = None
+    # CPU: decode steps as one C call (workers/model/cpu_decode.py), set by the registry
+    cpu_step: CpuDecodeStep | None = None
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg
@@ -89,6 +95,12 @@ class DecoderModel:
         attn: AttentionBackend,
         logits_indices: torch.Tensor,  # [B] rows of T whose logits are wanted
     ) -> torch.Tensor:  # [B, vocab] float32
+        cpu_step = self.cpu_step
+        if cpu_step is not None and cpu_step.accepts(meta, input_ids.shape[0]):
+            x = F.embedding(input_ids, self.embed)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+            return self._softcap(cpu_step(x, positions, meta, cache, logits_indices))
         fused = self.fused and hasattr(attn, "attend")
         step = Step(positions, meta, cache, attn, fused)
         tp = self.tp
@@ -114,7 +126,9 @@ class DecoderModel:
         logits = self.lm_head(self._add_norm(last, self.norm, None, fused))
         if tp is not None:
             logits = tp.gather_logits(logits)
-        logits = logits.float()
+        return self._softcap(logits.float())
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

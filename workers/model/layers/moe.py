@@ -97,8 +97,9 @@ def build_moe(w: Weights, layer: int) -> SparseMoE:
     for e in range(cfg.num_experts):
         q = f"{p}experts.{e}."
         gate_up = Linear(w13[e], None, concat_rows([w.qw.get(q + "gate_proj.weight"),
-                                                    w.qw.get(q + "up_proj.weight")]), w.lib)
-        down = Linear(w2[e], None, w.qw.get(q + "down_proj.weight"), w.lib)
+                                                    w.qw.get(q + "up_proj.weight")]), w.lib,
+                         int8=w.int8)
+        down = Linear(w2[e], None, w.qw.get(q + "down_proj.weight"), w.lib, int8=w.int8)
         experts.append(GatedMLP(gate_up, down, f, "silu"))
     return SparseMoE(w.get(p + "gate.weight"), w13, w2, cfg.num_experts_per_tok,
                      cfg.norm_topk_prob, experts, None if w.tp is None else w.reduce)

@@ -79,6 +79,9 @@ def _longrope(cfg: ModelConfig, rs: dict[str, Any], inv: torch.Tensor,
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position."""
 
+    # CPU float32 with the C decode step: its RoPE (bound by workers/model/cpu_decode.py)
+    lib: Any = None
+
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
                  theta: float | None = None, scaling: Any = _CONFIG):
         inv, attention = inv_frequencies(cfg, theta, scaling, max_positions)
@@ -95,6 +98,17 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the step's positions, shaped [T, 1, R] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply_in_place(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE of x [T, heads, d] (its heads contiguous) at `positions`, in place, by the C
+        step's code: the same bits as that step gives a decode row."""
+        t, h, d = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == d
+        pos = positions if positions.dtype == torch.int64 else positions.long()
+        self.lib.ds_rope_rows(x.data_ptr(), t, h, x.stride(0), d, self.cos.data_ptr(),
+                              self.sin.data_ptr(), pos.contiguous().data_ptr(), self.rotary_dim,
+                              torch.get_num_threads())
+        return x
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.whole_heads:

@@ -72,8 +72,13 @@ class SelfAttention:
             q, k = q.view(n, hq, d), k.view(n, hkv, d)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            cos, sin = step.rope_tables(self.rope)
-            q = self.rope.apply(q, cos, sin)
-            k = self.rope.apply(k, cos, sin)
+            if self.rope.lib is not None and q.dtype == torch.float32 and q.device.type == "cpu":
+                # in place: q and k are this step's own (views of qkv, or the norms' outputs)
+                q = self.rope.apply_in_place(q, step.positions)
+                k = self.rope.apply_in_place(k, step.positions)
+            else:
+                cos, sin = step.rope_tables(self.rope)
+                q = self.rope.apply(q, cos, sin)
+                k = self.rope.apply(k, cos, sin)
             o = step.attn.forward(self.layer, q, k, v.reshape(n, hkv, d), step.cache, step.meta)
         return self.o(o.reshape(n, hq * d))

@@ -14,7 +14,8 @@ from kvserve.workers.model.quant_linear import Linear
 
 class Weights:
     """Weights on the model's device and dtype, with the raw GGUF blocks the CPU kernel
-    reads (`quantized`, float32 CPU runs only; `lib` is that kernel or None).
+    reads (`quantized`, float32 CPU runs only; `lib` is that kernel or None, `int8` whether
+    it is the 8-bit-activation one).
 
     A tensor-parallel rank's (`tp`) tensors are its shards as loaded: fused linears of them
     are its part of the fused matmul, row-parallel ones add the ranks' sums, the LM head's
@@ -22,11 +23,12 @@ class Weights:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
-                 lib: object | None, tp: TensorParallel | None = None) -> None:
+                 lib: object | None, tp: TensorParallel | None = None, int8: bool = False) -> None:
         self.cfg = cfg
         self.w = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
         self.qw = quantized or {}
         self.lib = lib
+        self.int8 = int8
         self.tp = tp
 
     @property
@@ -63,11 +65,11 @@ class Weights:
         quant = concat_rows([self.qw.get(n) for n in names])
         tp = self.tp
         if tp is None:
-            return Linear(weight, b, quant, self.lib)
+            return Linear(weight, b, quant, self.lib, int8=self.int8)
         layout = tp.layout
         if layout.vocab_parallel(names[0]) and weight.shape[0] < layout.vocab_per_rank:
             weight, quant = _pad_rows(weight, quant, layout.vocab_per_rank)
-        linear = Linear(weight, b, quant, self.lib)
+        linear = Linear(weight, b, quant, self.lib, int8=self.int8)
         return ReducedLinear(linear, tp.group) if layout.row_parallel(names[0]) else linear
 
     def norm(self, name: str) -> RMSNorm:

@@ -44,20 +44,29 @@ def build_model(
     quantized: dict[str, QuantizedWeight] | None = None,
     quantized_decode: bool = True,
     tp: TensorParallel | None = None,
+    cpu_matmul: str = "exact",
 ) -> DecoderModel:
     """The family's model over `weights`; with `tp`, a tensor-parallel rank's (its shards of
     the weights, as the loader read them for its rank)."""
     family = FAMILIES.get(cfg.architecture)
     if family is None:
         raise ModelLoadError(f"{cfg.name or 'model'}: no model family for {cfg.architecture!r}")
-    # Small-batch linears read the raw GGUF blocks through the C kernel (CPU float32
-    # only; Linear ignores them elsewhere); without a compiler, fp32 everywhere.
-    lib = None
+    # The linears read the raw GGUF blocks through a C kernel (CPU float32 only; Linear
+    # ignores them elsewhere): 8-bit activations at every batch, or float32 ones at small
+    # batches (cpu_matmul "exact"); without a compiler, fp32 everywhere.
+    lib = step_lib = None
+    int8 = cpu_matmul == "int8"
     if quantized and quantized_decode and device.type == "cpu" and dtype == torch.float32:
-        from kvserve.workers.model.cpu_kernels import load_qgemv
+        from kvserve.workers.model.cpu_kernels import load_decode_step, load_qgemv
 
-        lib = load_qgemv()
-    w = Weights(cfg, weights, device, dtype, quantized, lib, tp)
+        step_lib = load_decode_step()
+        lib = step_lib if int8 else load_qgemv()
+    w = Weights(cfg, weights, device, dtype, quantized, lib, tp, int8=int8)
     model = family(cfg, w, device, dtype, max_positions)
     model.tp = tp
+    if step_lib is not None and lib is not None:
+        from kvserve.workers.model.cpu_decode import CpuDecodeStep, bind_rows
+
+        model.cpu_step = CpuDecodeStep(model, step_lib, exact=not int8)
+        bind_rows(model, step_lib)
     return model

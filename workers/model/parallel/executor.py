@@ -31,6 +31,7 @@ class ShardExecutor(StepForward):
         self.model = build_model(cfg, loaded.weights, device, self.dtype, max_len,
                                  quantized=loaded.quantized,
                                  quantized_decode=config.quantized_decode,
+                                 cpu_matmul=config.cpu_matmul,
                                  tp=TensorParallel(layout, group))
         del loaded
         # rank 0's tables' shape (its device copy and CUDA graphs are sized by it); their

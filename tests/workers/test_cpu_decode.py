@@ -1,0 +1,214 @@
+"""The whole-step CPU decode kernel (csrc/decode_step.c via workers/model/cpu_decode.py)
+against the op-by-op forward with the same matmul kernels, on the default model and on
+quantized GGUFs of every dense family; and the int8 path's batch and thread invariance."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from arch_models import make_arch_model, write_arch_gguf
+from kernels import require_kernel
+from tiny_models import make_tiny_hf_model, write_gguf
+
+from kvserve.config import EngineConfig
+from kvserve.kvcache.manager import StreamStep
+from kvserve.workers.loading.loader import load_model
+from kvserve.workers.model.cpu_kernels import load_decode_step
+from kvserve.workers.model.runner import ModelRunner
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return require_kernel("decode_step", load_decode_step())
+
+
+@pytest.fixture(scope="module")
+def smol(smol_path):
+    return load_model(smol_path)
+
+
+def _runner(loaded, fused: bool, **kw) -> ModelRunner:
+    r = ModelRunner(loaded, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=False,
+                                         host_cache_gib=0, **kw))
+    if fused:
+        assert r.model.cpu_step is not None and r.model.cpu_step.why_not is None, \
+            r.model.cpu_step and r.model.cpu_step.why_not
+    else:
+        r.model.cpu_step = None
+    return r
+
+
+def _decode(runner: ModelRunner, prompts: dict[str, list[int]], n: int,
+            forced: list[list[int]] | None = None) -> list[torch.Tensor]:
+    """Prefill each prompt, then n decode steps of all streams together; the fed tokens are
+    `forced` (the same for runners being compared) or greedy. Logits of every step."""
+    toks = {s: list(p) for s, p in prompts.items()}
+    for s, t in toks.items():
+        runner.execute([StreamStep(s, t, len(t))])
+    seen = []
+    for i in range(n):
+        for j, t in enumerate(toks.values()):
+            t.append(forced[i][j] if forced else (t[-1] * 7 + 3) % 30000 + 100)
+        _, logits = runner.execute([StreamStep(s, t, len(t)) for s, t in toks.items()])
+        seen.append(logits)
+    for s in toks:
+        runner.free(s)
+    return seen
+
+
+def _prompts(n: int, g: torch.Generator) -> dict[str, list[int]]:
+    return {f"s{i}": torch.randint(100, 40000, (3 + 11 * i,), generator=g).tolist() for i in range(n)}
+
+
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+@pytest.mark.parametrize("streams", [1, 3, 9])
+def test_default_model_step_is_op_by_op_bit_for_bit(lib, smol, streams: int, mode: str) -> None:
+    """The one-call step gives the op-by-op forward's bits (the same kernels, norms, RoPE
+    and activation code in both), with 8-bit or float32 activations."""
+    prompts = _prompts(streams, torch.Generator().manual_seed(streams))
+    got = _decode(_runner(smol, True, cpu_matmul=mode), prompts, 3)
+    want = _decode(_runner(smol, False, cpu_matmul=mode), prompts, 3)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_int8_step_is_close_to_float32(lib, smol) -> None:
+    """8-bit activations move the logits by their rounding, far less than a broken step."""
+    prompts = _prompts(5, torch.Generator().manual_seed(5))
+    got = _decode(_runner(smol, True, cpu_matmul="int8"), prompts, 3)
+    ref = _decode(_runner(smol, False, quantized_decode=False), prompts, 3)
+    for g, r in zip(got, ref, strict=True):
+        assert ((g - r).norm(dim=-1) <= 0.1 * r.norm(dim=-1)).all()
+
+
+def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
+    """A stream's logits are the same bits decoded alone, with 8 others (the interleaved
+    layout), beside another stream's prompt chunk (the op-by-op forward) and on one thread:
+    its tokens do not depend on the load it shares a step with."""
+    g = torch.Generator().manual_seed(7)
+    target = {"t": torch.randint(100, 40000, (20,), generator=g).tolist()}
+    others = _prompts(8, g)
+    forced = [[(31 * i + 7 * j) % 30000 + 100 for j in range(9)] for i in range(4)]
+    alone = _decode(_runner(smol, True, cpu_matmul="int8"), target, 4, forced)
+    packed = _decode(_runner(smol, True, cpu_matmul="int8"), {**target, **others}, 4, forced)
+    torch.set_num_threads(1)
+    try:
+        one_thread = _decode(_runner(smol, True, cpu_matmul="int8"), target, 4, forced)
+    finally:
+        torch.set_num_threads(2)
+    for a, p, o in zip(alone, packed, one_thread, strict=True):
+        assert torch.equal(a[0], p[0])
+        assert torch.equal(a[0], o[0])
+    # a step that also holds a 40-token prompt chunk runs op by op
+    r = _runner(smol, True, cpu_matmul="int8")
+    toks = list(target["t"])
+    r.execute([StreamStep("t", toks, len(toks))])
+    toks.append(forced[0][0])
+    chunk = torch.randint(100, 40000, (40,), generator=g).tolist()
+    _, logits = r.execute([StreamStep("t", toks, len(toks)), StreamStep("p", chunk, 40)])
+    assert torch.equal(logits[0], alone[0][0])
+
+
+def test_exact_path_leaves_large_batches_to_mkl(lib, smol) -> None:
+    r = _runner(smol, True, cpu_matmul="exact")
+    prompts = {f"s{i}": [100 + i, 200, 300] for i in range(17)}
+    calls = []
+    step = r.model.cpu_step
+    real = step.__call__
+
+    class Spy:
+        why_not = None
+
+        def accepts(self, meta, n):
+            ok = step.accepts(meta, n)
+            calls.append((n, ok))
+            return ok
+
+        def __call__(self, *a):
+            return real(*a)
+
+    r.model.cpu_step = Spy()  # type: ignore[assignment]
+    _decode(r, prompts, 1)
+    assert (17, False) in calls  # 17 decode rows: over the exact kernel's 16
+
+
+# ---- every dense family, quantized -------------------------------------------------------
+# head_dim 32 (the step's attention quantizes whole 32-blocks per head); Phi-3 rotates 16
+_PHI_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+             "short_factor": [1.0, 1.1, 1.5, 2.0, 2.0, 2.5, 3.0, 3.0],
+             "long_factor": [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0]}
+FAMILIES = {
+    "qwen3": {"head_dim": 32},
+    "gemma2": {"head_dim": 32},
+    "gemma3": {"head_dim": 32},
+    "phi3": {"hidden_size": 128, "rope_parameters": _PHI_ROPE},
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    paths = {}
+    for arch, overrides in FAMILIES.items():
+        hf = make_arch_model(root / arch, arch, seed=5, with_tokenizer=False, **overrides)
+        paths[arch] = write_arch_gguf(root / f"{arch}.gguf", hf, arch, Q.Q8_0)
+    for arch, kw in {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": 8}}.items():
+        hf = make_tiny_hf_model(root / arch, arch, seed=6, with_tokenizer=False,
+                                num_attention_heads=2, num_key_value_heads=1, **kw)
+        paths[arch] = write_gguf(root / f"{arch}.gguf", hf, Q.Q4_0)
+    return paths
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", *FAMILIES])
+def test_family_step_matches_op_by_op(lib, family_models, arch: str) -> None:
+    """q/k norms, QKV biases, sandwich norms, soft-caps, GeGLU, windows, per-layer RoPE,
+    partial rotary: the op-by-op forward's bits past the windows, in both matmul modes; and
+    the 8-bit path near float32."""
+    loaded = load_model(family_models[arch])
+    prompts = _prompts(3, torch.Generator().manual_seed(11))
+    steps = 20  # past the 8- and 16-token windows
+    for mode in ("exact", "int8"):
+        got = _decode(_runner(loaded, True, cpu_matmul=mode), prompts, steps)
+        want = _decode(_runner(loaded, False, cpu_matmul=mode), prompts, steps)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), mode
+    ref = _decode(_runner(loaded, False, quantized_decode=False), prompts, steps)
+    for g, r in zip(got, ref, strict=True):
+        assert ((g - r).norm(dim=-1) <= 0.1 * r.norm(dim=-1) + 1e-3).all()
+
+
+def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
+    """Q4_K / Q6_K weights (hidden 256: whole super-blocks) keep their raw rows, dequantize
+    as gguf does, and decode in the one-call step close to the float32 weights."""
+    from gguf.quants import dequantize
+
+    hf = make_tiny_hf_model(tmp_path / "k", "llama", seed=8, with_tokenizer=False, hidden_size=256,
+                            intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+    for qt in (Q.Q4_K, Q.Q6_K):
+        path = write_gguf(tmp_path / f"{qt.name}.gguf", hf, qt)
+        loaded = load_model(path)
+        name = "model.layers.0.mlp.down_proj.weight"
+        q = loaded.quantized[name]
+        assert q.qtype == qt.name and q.shape == (256, 512)
+        assert torch.equal(loaded.weights[name], torch.from_numpy(dequantize(q.data.numpy(), qt)))
+        prompts = _prompts(4, torch.Generator().manual_seed(4))
+        got = _decode(_runner(loaded, True, cpu_matmul="int8"), prompts, 3)
+        ref = _decode(_runner(loaded, False, quantized_decode=False), prompts, 3)
+        for g, r in zip(got, ref, strict=True):
+            assert ((g - r).norm(dim=-1) <= 0.05 * r.norm(dim=-1)).all()
+
+
+def test_lora_engine_decodes_op_by_op(lib, smol) -> None:
+    """The one-call step reads the base weights' blocks only: with LoRA adapters possible,
+    decode steps run op by op (through the adapted linears), and the runtime says so."""
+    r = ModelRunner(smol, EngineConfig(kv_cache_tokens=1024, enable_prefix_caching=False,
+                                       host_cache_gib=0, enable_lora=True))
+    assert r.runtime["decode_step"] == "op by op: LoRA adapters run op by op", r.runtime
+    prompts = _prompts(2, torch.Generator().manual_seed(5))
+    got = _decode(r, prompts, 2)  # no adapter requested: the base model's logits
+    ref = _decode(_runner(smol, True), prompts, 2)
+    for g, w in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)

@@ -1,0 +1,172 @@
+"""The int8 matmul on quantized blocks (csrc/qgemm.c) against gguf's dequantization: every
+weight type, 1-17 activation rows (both activation layouts), the portable path against
+this host's SIMD one, the AVX-512 / AVX-VNNI builds compiled and their code run with dpbusd emulated."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from kernels import require_kernel
+
+from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
+from kvserve.workers.model.cpu_kernels import compile_errors, load_decode_step
+from kvserve.workers.model.quant_linear import qlinear_int8, scratch
+
+ROWS = list(range(1, 18))
+PORTABLE = ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return require_kernel("decode_step", load_decode_step())
+
+
+def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw ggml rows [n, k / block * bytes]: random bytes, with sane fp16 scales."""
+    _, block, size = QTYPES[qtype]
+    nb = n * k // block
+    raw = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+
+    def half(scale: float) -> np.ndarray:
+        return (rng.standard_normal(nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qtype in ("Q4_0", "Q8_0"):
+        raw[:, 0:2] = half(0.05)
+    elif qtype == "Q4_1":
+        raw[:, 0:2], raw[:, 2:4] = half(0.05), half(0.2)
+    elif qtype == "Q4_K":
+        raw[:, 0:2], raw[:, 2:4] = half(0.01), half(0.01)
+    else:  # Q6_K: d last
+        raw[:, 208:210] = half(0.01)
+    return raw.reshape(n, -1)
+
+
+def q8_rows(x: np.ndarray) -> np.ndarray:
+    """The activations as the kernel sees them: 8 bits per 32 values, scale amax / 127."""
+    xb = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
+
+
+def _ref(lib, qw: QuantizedWeight, x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    n, k = qw.shape
+    m = x.shape[0]
+    out = torch.empty(m, n)
+    buf = scratch(lib.qgemm_scratch_bytes(m, k))
+    lib.qgemm_q8_ref.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int]
+    rc = lib.qgemm_q8_ref(QTYPES[qw.qtype][0], qw.data.data_ptr(), n, k, qw.data.shape[1],
+                          x.contiguous().data_ptr(), m, out.data_ptr(), buf.data_ptr(), int(interleaved))
+    assert rc == 0
+    return out
+
+
+def _case(qtype: str, m: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor, np.ndarray]:
+    rng = np.random.default_rng([*qtype.encode(), m, seed])
+    n = 37  # odd: the threads' shares differ
+    k = 512 if QTYPES[qtype][1] == 256 else 160  # two super-blocks, or 5 blocks (not 8s)
+    raw = random_blocks(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[:, 7] *= 40  # an outlier channel, as real activations have
+    return QuantizedWeight(qtype, torch.from_numpy(raw), (n, k)), x, raw
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("m", ROWS)
+def test_int8_kernel_matches_gguf_dequantize(lib, qtype: str, m: int) -> None:
+    """Against float64 products of gguf's dequantized weights and the 8-bit activations:
+    only the float32 sums differ; and bit for bit the scalar reference's arithmetic."""
+    qw, x, raw = _case(qtype, m)
+    w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
+    xq = q8_rows(x.numpy()).astype(np.float64)
+    got = qlinear_int8(x, qw, lib)
+    err = np.abs(got.numpy() - xq @ w.T)
+    assert (err <= 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6).all()
+    assert torch.equal(got, _ref(lib, qw, x, interleaved=m >= 7))
+    # and as close to the float activations' product as 8-bit rounding allows: each value
+    # moves by at most half a step, amax / 254 of its block
+    exact = x.double().numpy() @ w.T
+    xb = x.numpy().reshape(m, -1, 32)
+    step = np.repeat(np.abs(xb).max(-1) / 254, 32, axis=1).astype(np.float64)
+    assert (np.abs(got.numpy() - exact) <= 1.0001 * step @ np.abs(w).T + 1e-5).all()
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_a_row_does_not_depend_on_its_batch(lib, qtype: str) -> None:
+    """Row 0 gives the same bits alone, among 4 rows (row-major layout) and among 9 or 17
+    (interleaved): a request's tokens do not depend on what it is batched with."""
+    qw, x, _ = _case(qtype, 17, seed=1)
+    alone = qlinear_int8(x[:1], qw, lib)
+    for m in (4, 9, 17):
+        assert torch.equal(qlinear_int8(x[:m], qw, lib)[:1], alone), m
+    # a strided view (a slice of a fused output) reads the same rows
+    wide = torch.cat([x, torch.randn(17, 32)], dim=1)[:, : x.shape[1]]
+    assert torch.equal(qlinear_int8(wide, qw, lib), qlinear_int8(x, qw, lib))
+
+
+def test_this_host_takes_the_simd_path(lib) -> None:
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    level = lib.qgemm_simd_level()
+    if "avx2" in flags and "fma" in flags and "f16c" in flags:
+        vnni = "avx512_vnni" in flags and "avx512vl" in flags or "avx_vnni" in flags
+        assert level == (2 if vnni else 1)
+    else:
+        assert level == 0
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_portable_build_gives_the_same_bits(lib, qtype: str) -> None:
+    """The scalar fallback (built here without AVX) against this host's SIMD build."""
+    portable = require_kernel("decode_step", load_decode_step(PORTABLE))
+    assert portable.qgemm_simd_level() == 0
+    for m in (1, 3, 8, 13):
+        qw, x, _ = _case(qtype, m, seed=2)
+        assert torch.equal(qlinear_int8(x, qw, portable), qlinear_int8(x, qw, lib)), m
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_vnni_code_paths_give_the_same_bits(lib, qtype: str) -> None:
+    """The VNNI build's own code (dpbusd accumulation, Q6_K's 32-bit scale lanes) with
+    dpbusd emulated in scalar where the host has no VNNI: the same bits as this host's
+    build, both activation layouts. (On a VNNI host both builds take the real instruction.)"""
+    if lib.qgemm_simd_level() == 0:
+        pytest.skip("this host has no AVX2: the VNNI paths build on the AVX2 ones")
+    vnni = require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",)))
+    assert vnni.qgemm_simd_level() == 2
+    for m in (1, 3, 8, 13):
+        qw, x, _ = _case(qtype, m, seed=3)
+        assert torch.equal(qlinear_int8(x, qw, vnni), qlinear_int8(x, qw, lib)), m
+
+
+@pytest.mark.parametrize("flags", [("-mavx512f", "-mavx512vl", "-mavx512vnni"), ("-mavxvnni",)],
+                         ids=["avx512-vnni", "avx-vnni"])
+def test_vnni_paths_compile(lib, flags: tuple[str, ...]) -> None:
+    """This host cannot run them; a build for a host that can must at least compile."""
+    errors = compile_errors("decode_step", list(flags))
+    assert errors is None, errors
+    assert re.search(r"QG_DPBUSD", open(_src("qgemm.c")).read())
+
+
+def _src(name: str) -> str:
+    import os
+
+    from kvserve.workers.model import cpu_kernels
+
+    return os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc", name)
+
+
+def test_bad_shape_is_refused(lib) -> None:
+    qw = QuantizedWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), (2, 256))
+    bad = QuantizedWeight("Q4_K", qw.data, (2, 256))
+    bad.shape = (2, 224)  # not a whole super-block
+    with pytest.raises(RuntimeError, match="rejected"):
+        qlinear_int8(torch.zeros(1, 224), bad, lib)

@@ -1,0 +1,736 @@
+// Int8 matmul on ggml-quantized weights: out[M, N] = q8(x)[M, K] @ W[N, K]^T.
+//
+// The activations are quantized once per matmul to 8 bits per 32-element block with a
+// float32 scale (llama.cpp's Q8 scheme with a wider scale), and every weight block is
+// multiplied by them with integer dot products (AVX2 maddubs, AVX512-VNNI / AVX-VNNI
+// dpbusd). Weight types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
+//
+// Two layouts of the quantized activations, chosen by the row count:
+//  - M < QG_INTER_MIN: row-major; a weight block is unpacked once and meets each row's
+//    32 bytes in one vector (few rows: reading the weights is the cost).
+//  - otherwise: groups of 8 rows interleaved 4 bytes at a time, so each lane of a vector
+//    is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
+//    (compute-bound batches and prefill).
+// Every path gives a row the same result bit for bit, whatever M, the layout, the thread
+// count or the other rows: the integer dot of a block is exact, each block's value is
+//   v_b = [coef_b * s_b +] idot_b * (ws_b * d_b)          (one rounding order)
+// and a row's sum is fixed: P_j = sum of v_b over b = j mod 8 in order of b, then
+// ((P0 + P1) + (P2 + P3)) + ((P4 + P5) + (P6 + P7)). A request's tokens therefore do not
+// depend on what it is batched with. The file is built with -ffp-contract=off so the
+// compiler fuses nothing the code does not.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QG_VNNI 1
+#define QG_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define QG_VNNI 1
+#define QG_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#elif defined(QG_EMULATE_VNNI)
+// Tests only: the VNNI code paths on a host without VNNI, dpbusd written out in scalar
+// (each 32-bit lane adds its four u8 x s8 products, no saturation).
+#define QG_VNNI 1
+static inline __m256i qg_dpbusd_emul(__m256i acc, __m256i u, __m256i s) {
+    uint8_t a[32];
+    int8_t b[32];
+    int32_t c[8];
+    _mm256_storeu_si256((__m256i *)a, u);
+    _mm256_storeu_si256((__m256i *)b, s);
+    _mm256_storeu_si256((__m256i *)c, acc);
+    for (int i = 0; i < 8; ++i)
+        for (int k = 0; k < 4; ++k) c[i] += (int32_t)a[4 * i + k] * (int32_t)b[4 * i + k];
+    return _mm256_loadu_si256((const __m256i *)c);
+}
+#define QG_DPBUSD(acc, u, s) qg_dpbusd_emul((acc), (u), (s))
+#endif
+#endif
+
+enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q6_K = 14 };  // ggml ids
+enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7 };
+
+static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 weights
+    switch (qtype) {
+    case QG_Q4_0: return 18;
+    case QG_Q4_1: return 20;
+    case QG_Q8_0: return 34;
+    case QG_Q4_K: return 144;
+    case QG_Q6_K: return 210;
+    default: return -1;
+    }
+}
+
+static int qg_block_size(int qtype) { return qtype == QG_Q4_K || qtype == QG_Q6_K ? QG_QKK : QG_QK; }
+
+static inline uint16_t qg_rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static float qg_half(uint16_t h) {
+#ifdef QG_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; --exp; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+// The fixed reduction of a row's 8 partial sums.
+static inline float qg_tree8(const float *p) {
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+// ---------------------------------------------------------------------------------------
+// Quantized activations. One buffer: q (int8), then four float arrays indexed by
+// qg_act_f(m, b): d (scale), s (d * sum of the block's q), s0 and s1 (d * sum of its first
+// and second 16). Interleaved: [group][block][8 rows]; row-major: [row][block].
+typedef struct {
+    int64_t M, K, nb, G;  // rows, columns, 32-blocks per row, 8-row groups
+    int inter;            // interleaved layout
+    int8_t *q;
+    float *d, *s, *s0, *s1;
+} qg_act;
+
+static int64_t qg_act_bytes(int64_t M, int64_t K) {
+    const int64_t nb = K / QG_QK, G = (M + 7) / 8;
+    return G * 8 * K + 4 * (G * 8 * nb + 8) * (int64_t)sizeof(float) + 64;
+}
+
+static void qg_act_init(qg_act *a, void *buf, int64_t M, int64_t K) {
+    a->M = M;
+    a->K = K;
+    a->nb = K / QG_QK;
+    a->G = (M + 7) / 8;
+    a->inter = M >= QG_INTER_MIN;
+    uintptr_t p = ((uintptr_t)buf + 31) & ~(uintptr_t)31;
+    a->q = (int8_t *)p;
+    p += (uintptr_t)(a->G * 8 * K);
+    const int64_t n = a->G * 8 * a->nb + 8;  // + 8: whole-vector reads past a row's end
+    a->d = (float *)p;
+    a->s = a->d + n;
+    a->s0 = a->s + n;
+    a->s1 = a->s0 + n;
+    if (!a->inter)  // the row-major path reads whole vectors of 8 blocks: zeros past the end
+        for (int i = 0; i < 8; ++i) a->d[M * a->nb + i] = a->s[M * a->nb + i] = a->s0[M * a->nb + i] = a->s1[M * a->nb + i] = 0.f;
+}
+
+// where elements 4j..4j+3 of row m, block b start
+static inline int8_t *qg_act_at(const qg_act *a, int64_t m, int64_t b, int j) {
+    if (!a->inter) return a->q + m * a->K + b * QG_QK + 4 * j;
+    return a->q + (((m / 8) * a->nb + b) * 8 + j) * 32 + (m % 8) * 4;
+}
+
+static inline int64_t qg_act_f(const qg_act *a, int64_t m, int64_t b) {
+    return a->inter ? ((m / 8) * a->nb + b) * 8 + m % 8 : m * a->nb + b;
+}
+
+// Quantize block b of row m from the 32 floats at xb; NULL (a padding row of the last
+// group) stores zeros.
+static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64_t b) {
+    const int64_t f = qg_act_f(a, m, b);
+    if (xb == NULL) {
+        for (int j = 0; j < 8; ++j) memset(qg_act_at(a, m, b, j), 0, 4);
+        a->d[f] = a->s[f] = a->s0[f] = a->s1[f] = 0.f;
+        return;
+    }
+    int8_t q[QG_QK];
+    float amax = 0.f;
+#ifdef QG_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    amax = _mm_cvtss_f32(m4);
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    const __m256 idv = _mm256_set1_ps(id);
+    for (int i = 0; i < 4; ++i) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i w = _mm256_cvtps_epi32(r);
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storel_epi64((__m128i *)(q + 8 * i), _mm_packs_epi16(w16, w16));
+    }
+#else
+    for (int i = 0; i < QG_QK; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < QG_QK; ++i) q[i] = (int8_t)nearbyintf(xb[i] * id);
+#endif
+    const float d = amax / 127.f;
+    int s0 = 0, s1 = 0;
+    for (int i = 0; i < 16; ++i) s0 += q[i];
+    for (int i = 16; i < 32; ++i) s1 += q[i];
+    if (a->inter) {
+        for (int j = 0; j < 8; ++j) memcpy(qg_act_at(a, m, b, j), q + 4 * j, 4);
+    } else {
+        memcpy(qg_act_at(a, m, b, 0), q, QG_QK);
+    }
+    a->d[f] = d;
+    a->s[f] = d * (float)(s0 + s1);
+    a->s0[f] = d * (float)s0;
+    a->s1[f] = d * (float)s1;
+}
+
+// Quantize rows [m0, m1) of x (row stride ldx); rows past M in the last group are zeros.
+static void qg_quantize_rows(const qg_act *a, const float *x, int64_t ldx, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < a->nb; ++b)
+            qg_quantize_block(a, m < a->M ? x + m * ldx + b * QG_QK : NULL, m, b);
+}
+
+// ---------------------------------------------------------------------------------------
+// One 32-weight slice of a weight row, decoded for the dot product: u[32] the weights as
+// unsigned bytes (Q8_0: their magnitudes, sgn the signed bytes), the float factor of the
+// integer dot (ws), and the terms on the activation sums: coef * s, or for Q6_K
+// coef16[h] * s16[h]. Q6_K's two 16-weight scales multiply the integer dot's halves (sc16).
+typedef struct {
+    uint8_t u[32] __attribute__((aligned(32)));
+    int8_t sgn[32] __attribute__((aligned(32)));
+    float ws, coef, coef16[2];
+    int16_t sc16[2];
+} qg_wblk;
+
+// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
+static inline void qg_k4_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Decode slice b (of 32 weights) of a row: its scalars into w, its weights into w->u
+// (and w->sgn) through `vec` (AVX2: the vectors stay in registers for the row layout, and
+// one 32-byte store feeds the interleaved layout's 4-byte loads). K-quants read their
+// super-block's header each time (a few scalar operations against the 32 x M products).
+static inline __attribute__((always_inline)) void qg_scalars(int qtype, const uint8_t *row, int64_t b,
+                                                            qg_wblk *w) {
+    w->coef = w->coef16[0] = w->coef16[1] = 0.f;
+    w->sc16[0] = w->sc16[1] = 0;
+    if (qtype == QG_Q4_0 || qtype == QG_Q4_1) {
+        const uint8_t *blk = row + b * (qtype == QG_Q4_0 ? 18 : 20);
+        const float d = qg_half(qg_rd16(blk));
+        w->ws = d;
+        w->coef = qtype == QG_Q4_0 ? -8.f * d : qg_half(qg_rd16(blk + 2));
+    } else if (qtype == QG_Q8_0) {
+        w->ws = qg_half(qg_rd16(row + b * 34));
+    } else if (qtype == QG_Q4_K) {
+        const uint8_t *blk = row + (b / 8) * 144;
+        uint8_t sc, mn;
+        qg_k4_scale_min((int)(b % 8), blk + 4, &sc, &mn);
+        w->ws = qg_half(qg_rd16(blk)) * (float)sc;
+        w->coef = -(qg_half(qg_rd16(blk + 2)) * (float)mn);
+    } else {  // Q6_K
+        const uint8_t *blk = row + (b / 8) * 210;
+        const int j = (int)(b % 8);
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        const float d = qg_half(qg_rd16(blk + 208));
+        w->ws = d;
+        w->sc16[0] = scales[2 * j];
+        w->sc16[1] = scales[2 * j + 1];
+        w->coef16[0] = -32.f * d * (float)scales[2 * j];
+        w->coef16[1] = -32.f * d * (float)scales[2 * j + 1];
+    }
+}
+
+#ifdef QG_AVX2
+// The 32 weights as unsigned bytes in element order (Q8_0: their magnitudes; *sgn the
+// signed bytes).
+static inline __attribute__((always_inline)) __m256i qg_wvec(int qtype, const uint8_t *row, int64_t b,
+                                                             __m256i *sgn) {
+    if (qtype == QG_Q4_0 || qtype == QG_Q4_1) {
+        const uint8_t *qs = row + b * (qtype == QG_Q4_0 ? 18 : 20) + (qtype == QG_Q4_0 ? 2 : 4);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+        return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    }
+    if (qtype == QG_Q8_0) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2));
+        *sgn = v;
+        return _mm256_abs_epi8(v);
+    }
+    if (qtype == QG_Q4_K) {
+        const int j = (int)(b % 8);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + (j / 2) * 32));
+        const __m256i v = (j & 1) ? _mm256_srli_epi16(raw, 4) : raw;
+        return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    }
+    const uint8_t *blk = row + (b / 8) * 210;
+    const int j = (int)(b % 8), h = j / 4, a = j % 4;
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (a % 2)));
+    if (a >= 2) lo = _mm256_srli_epi16(lo, 4);
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    switch (a) {  // immediate shifts: bits 2a..2a+1 of qh to bits 4..5
+    case 0: hi = _mm256_slli_epi16(hi, 4); break;
+    case 1: hi = _mm256_slli_epi16(hi, 2); break;
+    case 2: break;
+    default: hi = _mm256_srli_epi16(hi, 2); break;
+    }
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)),
+                           _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+#endif
+
+static inline __attribute__((always_inline)) void qg_decode(int qtype, const uint8_t *row, int64_t b,
+                                                           qg_wblk *w) {
+    qg_scalars(qtype, row, b, w);
+#ifdef QG_AVX2
+    __m256i sgn = _mm256_setzero_si256();
+    const __m256i u = qg_wvec(qtype, row, b, &sgn);
+    _mm256_store_si256((__m256i *)w->u, u);
+    if (qtype == QG_Q8_0) _mm256_store_si256((__m256i *)w->sgn, sgn);
+#else
+    if (qtype == QG_Q4_0 || qtype == QG_Q4_1) {
+        const uint8_t *qs = row + b * (qtype == QG_Q4_0 ? 18 : 20) + (qtype == QG_Q4_0 ? 2 : 4);
+        for (int i = 0; i < 16; ++i) {
+            w->u[i] = qs[i] & 0x0F;
+            w->u[i + 16] = qs[i] >> 4;
+        }
+    } else if (qtype == QG_Q8_0) {
+        const uint8_t *qs = row + b * 34 + 2;
+        for (int i = 0; i < 32; ++i) {
+            const int8_t s = (int8_t)qs[i];
+            w->sgn[i] = s;
+            w->u[i] = (uint8_t)(s < 0 ? -s : s);
+        }
+    } else if (qtype == QG_Q4_K) {
+        const int j = (int)(b % 8);
+        const uint8_t *qs = row + (b / 8) * 144 + 16 + (j / 2) * 32;
+        for (int i = 0; i < 32; ++i) w->u[i] = (qs[i] >> ((j % 2) * 4)) & 0x0F;
+    } else {
+        const uint8_t *blk = row + (b / 8) * 210;
+        const int j = (int)(b % 8), h = j / 4, a = j % 4;
+        const uint8_t *ql = blk + 64 * h + 32 * (a % 2), *qh = blk + 128 + 32 * h;
+        for (int i = 0; i < 32; ++i)
+            w->u[i] = (uint8_t)(((ql[i] >> ((a / 2) * 4)) & 0x0F) | (((qh[i] >> (2 * a)) & 3) << 4));
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Scalar reference (also the fallback without AVX2).
+static inline int32_t qg_idot(int qtype, const qg_wblk *w, const int8_t *xq /* 32 in order */) {
+    if (qtype == QG_Q6_K) {
+        int32_t h0 = 0, h1 = 0;
+        for (int i = 0; i < 16; ++i) h0 += (int32_t)w->u[i] * xq[i];
+        for (int i = 16; i < 32; ++i) h1 += (int32_t)w->u[i] * xq[i];
+        return h0 * w->sc16[0] + h1 * w->sc16[1];
+    }
+    int32_t acc = 0;
+    if (qtype == QG_Q8_0)
+        for (int i = 0; i < 32; ++i) acc += (int32_t)w->sgn[i] * xq[i];
+    else
+        for (int i = 0; i < 32; ++i) acc += (int32_t)w->u[i] * xq[i];
+    return acc;
+}
+
+// v_b of one row
+static inline float qg_bval(int qtype, const qg_wblk *w, int32_t idot, const qg_act *a, int64_t f) {
+    float v = (float)idot * (w->ws * a->d[f]);
+    if (qtype == QG_Q6_K) {
+        v = fmaf(w->coef16[0], a->s0[f], v);
+        v = fmaf(w->coef16[1], a->s1[f], v);
+    } else if (qtype != QG_Q8_0) {
+        v = fmaf(w->coef, a->s[f], v);
+    }
+    return v;
+}
+
+static void qg_rows_scalar(int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t row_bytes,
+                           const qg_act *a, float *out, int64_t ldo) {
+    qg_wblk wb = {0};
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m = 0; m < a->M; ++m) {
+            float p[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int64_t b = 0; b < a->nb; ++b) {
+                qg_decode(qtype, row, b, &wb);
+                int8_t xq[32];
+                for (int j = 0; j < 8; ++j) memcpy(xq + 4 * j, qg_act_at(a, m, b, j), 4);
+                p[b % 8] += qg_bval(qtype, &wb, qg_idot(qtype, &wb, xq), a, qg_act_f(a, m, b));
+            }
+            out[m * ldo + n] = qg_tree8(p);
+        }
+    }
+}
+
+#ifdef QG_AVX2
+// ---------------------------------------------------------------------------------------
+// Integer dot helpers. AVX2 accumulates maddubs pairs in 16 bits (the caller keeps within
+// the bound: 8 products of 4-bit weights, 2 of Q6_K's 6-bit ones, 1 of 8-bit magnitudes)
+// and widens with madd; VNNI accumulates in 32 bits directly.
+#ifdef QG_VNNI
+#define QG_ACC_ADD(acc, u, s) QG_DPBUSD((acc), (u), (s))
+#define QG_ACC_I32(acc) (acc)
+#define QG_ACC_I32_SC(acc, sc) _mm256_mullo_epi32((acc), _mm256_set1_epi32(sc))
+#else
+#define QG_ACC_ADD(acc, u, s) _mm256_add_epi16((acc), _mm256_maddubs_epi16((u), (s)))
+#define QG_ACC_I32(acc) _mm256_madd_epi16((acc), _mm256_set1_epi16(1))
+#define QG_ACC_I32_SC(acc, sc) _mm256_madd_epi16((acc), _mm256_set1_epi16(sc))
+#endif
+
+static inline __m256i qg_bcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// Interleaved layout: the integer dots of one block with the 8 rows of a group (lanes).
+static inline __attribute__((always_inline)) __m256i qg_idot8(int qtype, const qg_wblk *w,
+                                                              const int8_t *xg /* 256 bytes */) {
+    if (qtype == QG_Q6_K) {
+        __m256i h[2];
+        for (int half = 0; half < 2; ++half) {
+            __m256i p = _mm256_setzero_si256(), r = _mm256_setzero_si256();
+            for (int t = 0; t < 4; ++t) {
+                const int j = 4 * half + t;
+                const __m256i x = _mm256_load_si256((const __m256i *)(xg + 32 * j));
+                if (t < 2) p = QG_ACC_ADD(p, qg_bcast4(w->u + 4 * j), x);
+                else r = QG_ACC_ADD(r, qg_bcast4(w->u + 4 * j), x);
+            }
+            h[half] = _mm256_add_epi32(QG_ACC_I32_SC(p, w->sc16[half]), QG_ACC_I32_SC(r, w->sc16[half]));
+        }
+        return _mm256_add_epi32(h[0], h[1]);
+    }
+    if (qtype == QG_Q8_0) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            const __m256i x = _mm256_load_si256((const __m256i *)(xg + 32 * j));
+            const __m256i sx = _mm256_sign_epi8(x, qg_bcast4(w->sgn + 4 * j));
+#ifdef QG_VNNI
+            acc = QG_DPBUSD(acc, qg_bcast4(w->u + 4 * j), sx);
+#else
+            acc = _mm256_add_epi32(acc, QG_ACC_I32(_mm256_maddubs_epi16(qg_bcast4(w->u + 4 * j), sx)));
+#endif
+        }
+        return acc;
+    }
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j)
+        acc = QG_ACC_ADD(acc, qg_bcast4(w->u + 4 * j), _mm256_load_si256((const __m256i *)(xg + 32 * j)));
+    return QG_ACC_I32(acc);
+}
+
+// v_b of 8 lanes: idot (lanes), the weight scalars in w (broadcast), the activation
+// scalars at d/s/s0/s1 + f (lanes)
+static inline __attribute__((always_inline)) __m256 qg_bval8(int qtype, __m256i idot, __m256 ws,
+                                                             __m256 coef, __m256 c0, __m256 c1,
+                                                             const qg_act *a, int64_t f) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(ws, _mm256_loadu_ps(a->d + f)));
+    if (qtype == QG_Q6_K) {
+        v = _mm256_fmadd_ps(c0, _mm256_loadu_ps(a->s0 + f), v);
+        v = _mm256_fmadd_ps(c1, _mm256_loadu_ps(a->s1 + f), v);
+    } else if (qtype != QG_Q8_0) {
+        v = _mm256_fmadd_ps(coef, _mm256_loadu_ps(a->s + f), v);
+    }
+    return v;
+}
+
+// Up to QG_GT groups of 8 rows against one weight row, one pass over its blocks; each
+// group keeps its 8 partial sums (by block mod 8) in `part`.
+enum { QG_GT = 4, QG_CHUNK = 8 };
+
+static inline __attribute__((always_inline)) void qg_row_inter(int qtype, const uint8_t *row,
+                                                               const qg_act *a, int64_t g0, int NG,
+                                                               float *out, int64_t ldo, int64_t n) {
+    __m256 part[QG_GT][8];
+    for (int g = 0; g < NG; ++g)
+        for (int j = 0; j < 8; ++j) part[g][j] = _mm256_setzero_ps();
+    qg_wblk wb;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        qg_decode(qtype, row, b, &wb);
+        const __m256 ws = _mm256_set1_ps(wb.ws), coef = _mm256_set1_ps(wb.coef);
+        const __m256 c0 = _mm256_set1_ps(wb.coef16[0]), c1 = _mm256_set1_ps(wb.coef16[1]);
+        for (int g = 0; g < NG; ++g) {
+            const int64_t f = ((g0 + g) * a->nb + b) * 8;
+            const __m256 v = qg_bval8(qtype, qg_idot8(qtype, &wb, a->q + f * 32), ws, coef, c0, c1, a, f);
+            part[g][b % 8] = _mm256_add_ps(part[g][b % 8], v);
+        }
+    }
+    for (int g = 0; g < NG; ++g) {
+        const __m256 *p = part[g];
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])),
+                                         _mm256_add_ps(_mm256_add_ps(p[4], p[5]), _mm256_add_ps(p[6], p[7])));
+        float r[8] __attribute__((aligned(32)));
+        _mm256_store_ps(r, sum);
+        const int64_t m0 = (g0 + g) * 8;
+        const int rows = (int)(a->M - m0 < 8 ? a->M - m0 : 8);
+        for (int i = 0; i < rows; ++i) out[(m0 + i) * ldo + n] = r[i];
+    }
+}
+
+// Q6_K's two 16-weight scales as the multiplier of the row layout's partial sums.
+static inline __m256i qg_q6_scales(const int16_t sc16[2]) {
+#ifdef QG_VNNI  // 32-bit lanes 0-3 hold weights 0-15, lanes 4-7 weights 16-31
+    return _mm256_set_m128i(_mm_set1_epi32(sc16[1]), _mm_set1_epi32(sc16[0]));
+#else  // 16-bit lanes 0-7 hold weights 0-15
+    return _mm256_set_m128i(_mm_set1_epi16(sc16[1]), _mm_set1_epi16(sc16[0]));
+#endif
+}
+
+// Row-major layout: the integer dot of one block with one row as 8 partial sums (lanes);
+// scv: qg_q6_scales of the block (Q6_K).
+static inline __attribute__((always_inline)) __m256i qg_idot_row(int qtype, __m256i scv, __m256i u,
+                                                                 __m256i sgn,
+                                                                 const int8_t *x /* 32 in order */) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    if (qtype == QG_Q8_0) {
+        const __m256i sx = _mm256_sign_epi8(xv, sgn);
+#ifdef QG_VNNI
+        return QG_DPBUSD(_mm256_setzero_si256(), u, sx);
+#else
+        return QG_ACC_I32(_mm256_maddubs_epi16(u, sx));
+#endif
+    }
+#ifdef QG_VNNI
+    const __m256i p = QG_DPBUSD(_mm256_setzero_si256(), u, xv);
+    return qtype == QG_Q6_K ? _mm256_mullo_epi32(p, scv) : p;
+#else
+    const __m256i p = _mm256_maddubs_epi16(u, xv);
+    return qtype == QG_Q6_K ? _mm256_madd_epi16(p, scv) : QG_ACC_I32(p);
+#endif
+}
+
+// 8 vectors of 8 partial sums -> one vector of their 8 totals (lane j: vector j).
+static inline __m256i qg_reduce8(const __m256i v[8]) {
+    const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+enum { QG_SMALL_MAX = QG_INTER_MIN - 1 };
+
+// A K-quant super-block's 8 slices of 32 weights and their scalars, as qg_scalars and
+// qg_wvec give them one at a time.
+static inline __attribute__((always_inline)) void qg_super(int qtype, const uint8_t *blk, __m256i u[8],
+                                                           float ws[8], float coef[8], float c0[8],
+                                                           float c1[8], int16_t sc16[8][2]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (qtype == QG_Q4_K) {
+        const float d = qg_half(qg_rd16(blk)), dmin = qg_half(qg_rd16(blk + 2));
+        for (int j = 0; j < 8; ++j) {
+            uint8_t sc, mn;
+            qg_k4_scale_min(j, blk + 4, &sc, &mn);
+            ws[j] = d * (float)sc;
+            coef[j] = -(dmin * (float)mn);
+            c0[j] = c1[j] = 0.f;
+            sc16[j][0] = sc16[j][1] = 0;
+        }
+        for (int c = 0; c < 4; ++c) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            u[2 * c] = _mm256_and_si256(raw, m4);
+            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        return;
+    }
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    const float d = qg_half(qg_rd16(blk + 208));
+    for (int j = 0; j < 8; ++j) {
+        ws[j] = d;
+        coef[j] = 0.f;
+        sc16[j][0] = scales[2 * j];
+        sc16[j][1] = scales[2 * j + 1];
+        c0[j] = -32.f * d * (float)scales[2 * j];
+        c1[j] = -32.f * d * (float)scales[2 * j + 1];
+    }
+    const __m256i m2 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+        u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+        u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
+        u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+    }
+}
+
+// Up to 8 blocks [b0, b0 + nbk) of one weight row against MR rows: the lanes of each row's
+// vector of block values are blocks b0 + j, added into its partial sums P_j.
+static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, const uint8_t *row,
+                                                                 const qg_act *a, int MR,
+                                                                 int64_t b0, int nbk, __m256 *part) {
+    __m256i u[8], sg[8];
+    float ws[8], coef[8], c0[8], c1[8];
+    int16_t sc16[8][2];
+    qg_wblk wb;
+    if (qtype == QG_Q4_K || qtype == QG_Q6_K) {  // a whole super-block: its header once
+        qg_super(qtype, row + (b0 / 8) * (qtype == QG_Q4_K ? 144 : 210), u, ws, coef, c0, c1, sc16);
+        nbk = 8;
+    }
+    for (int j = 0; j < 8 && !(qtype == QG_Q4_K || qtype == QG_Q6_K); ++j) {
+        if (j >= nbk) {  // past the row's end: zero weights and scales give v = 0
+            u[j] = sg[j] = _mm256_setzero_si256();
+            ws[j] = coef[j] = c0[j] = c1[j] = 0.f;
+            sc16[j][0] = sc16[j][1] = 0;
+            continue;
+        }
+        qg_scalars(qtype, row, b0 + j, &wb);
+        sg[j] = _mm256_setzero_si256();
+        u[j] = qg_wvec(qtype, row, b0 + j, &sg[j]);
+        ws[j] = wb.ws;
+        coef[j] = wb.coef;
+        c0[j] = wb.coef16[0];
+        c1[j] = wb.coef16[1];
+        sc16[j][0] = wb.sc16[0];
+        sc16[j][1] = wb.sc16[1];
+    }
+    const __m256 wsv = _mm256_loadu_ps(ws), coefv = _mm256_loadu_ps(coef);
+    const __m256 c0v = _mm256_loadu_ps(c0), c1v = _mm256_loadu_ps(c1);
+    __m256i scv[8];
+    for (int j = 0; j < 8; ++j) scv[j] = qtype == QG_Q6_K ? qg_q6_scales(sc16[j]) : _mm256_setzero_si256();
+    for (int m = 0; m < MR; ++m) {
+        __m256i id[8];
+        const int8_t *xm = a->q + m * a->K + b0 * QG_QK;
+        for (int j = 0; j < 8; ++j)
+            id[j] = j < nbk ? qg_idot_row(qtype, scv[j], u[j], sg[j], xm + j * QG_QK) : _mm256_setzero_si256();
+        // the activation scalars of blocks past the end read zeros (+ 8 floats of room)
+        const __m256 v = qg_bval8(qtype, qg_reduce8(id), wsv, coefv, c0v, c1v, a, m * a->nb + b0);
+        part[m] = _mm256_add_ps(part[m], v);
+    }
+}
+
+static inline __attribute__((always_inline)) void qg_row_small(int qtype, const uint8_t *row,
+                                                               const qg_act *a, float *out,
+                                                               int64_t ldo, int64_t n, int MR) {
+    __m256 part[QG_SMALL_MAX];
+    for (int m = 0; m < MR; ++m) part[m] = _mm256_setzero_ps();
+    int64_t b0 = 0;
+    for (; b0 + 8 <= a->nb; b0 += 8) qg_small_chunk(qtype, row, a, MR, b0, 8, part);
+    if (b0 < a->nb) qg_small_chunk(qtype, row, a, MR, b0, (int)(a->nb - b0), part);
+    for (int m = 0; m < MR; ++m) {
+        float p[8] __attribute__((aligned(32)));
+        _mm256_store_ps(p, part[m]);
+        out[m * ldo + n] = qg_tree8(p);
+    }
+}
+
+static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype, const uint8_t *w,
+                                                                 int64_t n0, int64_t n1, int64_t row_bytes,
+                                                                 const qg_act *a, float *out, int64_t ldo) {
+    if (!a->inter) {
+        for (int64_t n = n0; n < n1; ++n) {
+            const uint8_t *row = w + n * row_bytes;
+            if (a->M == 1) qg_row_small(qtype, row, a, out, ldo, n, 1);  // batch-1 decode
+            else qg_row_small(qtype, row, a, out, ldo, n, (int)a->M);
+        }
+        return;
+    }
+    // Chunks of QG_CHUNK groups: a chunk's activations stay in L2 while the weight rows
+    // stream past (prefill-sized M), and a weight row stays in L1 across a chunk's groups.
+    for (int64_t c0 = 0; c0 < a->G; c0 += QG_CHUNK) {
+        const int64_t c1 = c0 + QG_CHUNK < a->G ? c0 + QG_CHUNK : a->G;
+        for (int64_t n = n0; n < n1; ++n)
+            for (int64_t g0 = c0; g0 < c1; g0 += QG_GT)
+                qg_row_inter(qtype, w + n * row_bytes, a, g0, (int)(c1 - g0 < QG_GT ? c1 - g0 : QG_GT), out, ldo, n);
+    }
+}
+#endif
+
+// Weight rows [n0, n1) against every activation row (the calling thread's share).
+static void qg_rows(int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t row_bytes,
+                    const qg_act *a, float *out, int64_t ldo) {
+#ifdef QG_AVX2
+    switch (qtype) {
+    case QG_Q4_0: qg_rows_simd_t(QG_Q4_0, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q4_1: qg_rows_simd_t(QG_Q4_1, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q8_0: qg_rows_simd_t(QG_Q8_0, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q4_K: qg_rows_simd_t(QG_Q4_K, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q6_K: qg_rows_simd_t(QG_Q6_K, w, n0, n1, row_bytes, a, out, ldo); return;
+    }
+#else
+    qg_rows_scalar(qtype, w, n0, n1, row_bytes, a, out, ldo);
+#endif
+}
+
+static int qg_check(int qtype, int64_t K, int64_t row_bytes) {
+    const int bb = qg_block_bytes(qtype);
+    if (bb < 0) return -1;
+    const int bs = qg_block_size(qtype);
+    if (K % bs || row_bytes != K / bs * bb) return -1;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Exported entry points (ctypes).
+
+int64_t qgemm_scratch_bytes(int64_t M, int64_t K) { return qg_act_bytes(M, K); }
+
+// Which integer path this build takes: 0 scalar, 1 AVX2, 2 AVX2 with VNNI (AVX512-VNNI or
+// AVX-VNNI).
+int qgemm_simd_level(void) {
+#if defined(QG_VNNI)
+    return 2;
+#elif defined(QG_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// x: [M, K] float32 (row stride ldx); w: [N, row_bytes]; out: [M, N]; scratch: at least
+// qgemm_scratch_bytes(M, K). One parallel region: quantize the rows, then the weight rows.
+// Returns 0, or -1 for an unsupported type or shape.
+int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const float *x,
+             int64_t ldx, int64_t M, float *out, void *scratch, int n_threads) {
+    if (qg_check(qtype, K, row_bytes)) return -1;
+    qg_act a;
+    qg_act_init(&a, scratch, M, K);
+    const int64_t rows = a.inter ? a.G * 8 : M;
+#pragma omp parallel num_threads(n_threads)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        qg_quantize_rows(&a, x, ldx, rows * t / T, rows * (t + 1) / T);
+#pragma omp barrier
+        qg_rows(qtype, w, N * t / T, N * (t + 1) / T, row_bytes, &a, out, N);
+    }
+    return 0;
+}
+
+// The scalar reference, single-threaded (tests): `inter` picks the activation layout.
+int qgemm_q8_ref(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const float *x,
+                 int64_t M, float *out, void *scratch, int inter) {
+    if (qg_check(qtype, K, row_bytes)) return -1;
+    qg_act a;
+    qg_act_init(&a, scratch, M, K);
+    a.inter = inter;
+    qg_quantize_rows(&a, x, K, 0, inter ? a.G * 8 : M);
+    qg_rows_scalar(qtype, w, 0, N, row_bytes, &a, out, N);
+    return 0;
+}
