@@ -27,6 +27,7 @@ outright for steps with that many running streams (vLLM's rule).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,6 +91,9 @@ class StepCost:
         order = np.argsort(grid)
         self.grid = np.asarray(grid, np.float64)[order]
         self.lin_s = np.maximum(np.asarray(seconds, np.float64)[order], 1e-6)
+        # the same as Python floats: a step observes one point, where numpy's per-call
+        # overhead would cost a fast CPU step several percent
+        self._g, self._s = self.grid.tolist(), self.lin_s.tolist()
         self.w = np.array([1.0, 0.0, sample_row_s / SAMPLE_SCALE])
         # the prior's covariance: the forward's scale is known within a factor, the keys'
         # weight not at all (learnt from the steps), the sampler's within a factor
@@ -98,6 +102,8 @@ class StepCost:
 
     def lin(self, tokens: int | np.ndarray) -> np.ndarray | float:
         """Forward seconds of `tokens` rows: interpolated, and linear past the last point."""
+        if isinstance(tokens, (int, float)):
+            return self._lin1(float(tokens))
         g, s = self.grid, self.lin_s
         t = np.asarray(tokens, np.float64)
         out = np.interp(t, g, s)
@@ -105,6 +111,17 @@ class StepCost:
             slope = (s[-1] - s[-2]) / max(1.0, g[-1] - g[-2])
             out = np.where(t > g[-1], s[-1] + (t - g[-1]) * slope, out)
         return out if out.ndim else float(out)
+
+    def _lin1(self, t: float) -> float:
+        g, s = self._g, self._s
+        if t <= g[0]:
+            return s[0]
+        if t >= g[-1]:
+            if len(g) == 1:
+                return s[0]
+            return s[-1] + (t - g[-1]) * (s[-1] - s[-2]) / max(1.0, g[-1] - g[-2])
+        i = bisect.bisect_right(g, t)
+        return s[i - 1] + (s[i] - s[i - 1]) * (t - g[i - 1]) / (g[i] - g[i - 1])
 
     def features(self, tokens: int | np.ndarray, keys: float | np.ndarray,
                  random_rows: float | np.ndarray) -> np.ndarray:
@@ -116,17 +133,22 @@ class StepCost:
         return np.maximum(self.features(tokens, keys, random_rows) @ self.w, 1e-6)
 
     def observe(self, tokens: int, keys: float, random_rows: int, seconds: float) -> None:
-        """A decode step's measured seconds (recursive least squares with forgetting)."""
-        x = self.features(tokens, keys, random_rows)
-        px = self.P @ x
-        gain = px / (FORGET + x @ px)
-        self.w = self.w + gain * (seconds - x @ self.w)
-        self.w[0] = max(self.w[0], 0.05)  # a forward never costs nothing
-        self.w[1:] = np.maximum(self.w[1:], 0.0)
-        self.P = (self.P - np.outer(gain, px)) / FORGET
-        trace = float(np.trace(self.P))
+        """A decode step's measured seconds (recursive least squares with forgetting), in
+        Python floats: three weights, once per step."""
+        x = (self._lin1(float(tokens)), float(keys) * KEY_SCALE, float(random_rows) * SAMPLE_SCALE)
+        P, w = self.P.tolist(), self.w.tolist()
+        px = [P[i][0] * x[0] + P[i][1] * x[1] + P[i][2] * x[2] for i in range(3)]
+        denom = FORGET + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+        gain = [v / denom for v in px]
+        err = seconds - (x[0] * w[0] + x[1] * w[1] + x[2] * w[2])
+        w = [w[i] + gain[i] * err for i in range(3)]
+        w[0] = max(w[0], 0.05)  # a forward never costs nothing
+        w[1], w[2] = max(w[1], 0.0), max(w[2], 0.0)
+        P = [[(P[i][j] - gain[i] * px[j]) / FORGET for j in range(3)] for i in range(3)]
+        trace = P[0][0] + P[1][1] + P[2][2]
         if trace > 1e4:  # directions the steps do not excite must not grow without bound
-            self.P *= 1e4 / trace
+            P = [[v * 1e4 / trace for v in row] for row in P]
+        self.w, self.P = np.array(w), np.array(P)
         self.observed += 1
 
 
