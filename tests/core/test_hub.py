@@ -244,13 +244,31 @@ def test_serve_stopped_while_the_tokenizer_downloads(hub, tiny_files, tmp_path):
     try:
         assert hold.reached.wait(120), "the tokenizer's download never started"
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)  # the hold is still on: it must not wait for it
+        try:
+            out, _ = proc.communicate(timeout=60)  # the hold is still on: it must not wait for it
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after SIGTERM; its threads:\n{_stacks(proc.pid)}")
     finally:
         hold.release.set()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
     assert out.rstrip().endswith("kvserve: stopped") and "starting Ray" not in out, out
+
+
+def _stacks(pid: int) -> str:
+    """The Python stacks of process `pid` (py-spy, installed with the test extras)."""
+    import shutil
+    import subprocess
+    import sys
+
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    try:
+        r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                           timeout=30)
+        return r.stdout + r.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(py-spy: {e})"
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
