@@ -122,7 +122,7 @@ def load_paged_decode() -> ctypes.CDLL | None:
 @lru_cache(maxsize=1)
 def load_qgemv() -> ctypes.CDLL | None:
     """The compiled quantized-weight matmul (csrc/qgemv.c), or None."""
-    lib = _build("qgemv", _QGEMV_FLAGS)
+    lib = _build("qgemv", _QGEMV_FLAGS, deps=("fp16.h",))
     if lib is None:
         return None
     f = lib.qgemv_f32
@@ -132,7 +132,7 @@ def load_qgemv() -> ctypes.CDLL | None:
     return lib
 
 
-_STEP_DEPS = ("qgemm.c", "qgemv.c", "paged_decode.c")
+_STEP_DEPS = ("qgemm.c", "qgemv.c", "paged_decode.c", "fp16.h")
 
 
 @lru_cache(maxsize=4)

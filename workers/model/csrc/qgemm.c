@@ -21,6 +21,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "fp16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -75,28 +77,11 @@ static inline uint16_t qg_rd16(const uint8_t *p) {
     return v;
 }
 
-static float qg_half(uint16_t h) {
+static inline float qg_half(uint16_t h) {
 #ifdef QG_AVX2
     return _cvtsh_ss(h);
 #else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; --exp; }
-            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return fp16_to_f32(h);
 #endif
 }
 

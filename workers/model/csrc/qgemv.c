@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fp16.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QGEMV_SIMD 1
@@ -121,26 +123,7 @@ static void row_dot_any(int qtype, const uint8_t *row, int64_t nb, int bb, const
 }
 #else
 // Portable fallback: the same per-weight arithmetic, scalar.
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {  // subnormal: normalise
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; --exp; }
-            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+static inline float half_to_float(uint16_t h) { return fp16_to_f32(h); }
 
 static void row_dot_any(int qtype, const uint8_t *row, int64_t nb, int bb, const float *x,
                         int64_t ldx, float *out, int64_t ldo, int mb) {
