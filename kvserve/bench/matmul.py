@@ -145,6 +145,8 @@ class Ggml:
 def cmd_matmul(a: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
     from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
     from kvserve.workers.model.cpu_kernels import load_decode_step, load_qgemv
@@ -173,9 +175,6 @@ def cmd_matmul(a: argparse.Namespace) -> int:
         k = -(-k // block) * block
         raw = random_blocks(qtype, n, k)
         qw = QuantizedWeight(qtype, torch.from_numpy(raw), (n, k))
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         wf = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).copy())
         for m in rows:
             x = torch.randn(m, k)
