@@ -28,8 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="devices the engine spans (one rank process per device)")
     g.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
-                   help="CPU on GGUF blocks: float32 activations (exact, the default) or 8-bit "
-                        "ones with integer dot products (int8, llama.cpp's scheme)")
+                   help="CPU on GGUF blocks: 8-bit activations with integer dot products (int8, "
+                        "llama.cpp's scheme; the default) or float32 ones (exact)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s names: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' or method draft_model with "model"')

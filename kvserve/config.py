@@ -55,10 +55,11 @@ class EngineConfig(BaseModel):
         "dequantized float32 weights everywhere)"
     )
     cpu_matmul: Literal["int8", "exact"] = Field(
-        "exact", description="CPU float32 on quantized blocks: 'exact' keeps the activations "
-        "float32 (blocks read at up to 16 rows, MKL's float32 GEMM on dequantized weights "
-        "above); 'int8' quantizes each matmul's activations to 8 bits per 32 values and "
-        "multiplies them with integer dot products (llama.cpp's scheme), at every batch size",
+        "int8", description="CPU float32 on quantized blocks: 'int8' quantizes each matmul's "
+        "activations to 8 bits per 32 values and multiplies them with integer dot products "
+        "(llama.cpp's scheme) at every batch size, and attends prompt rows row by row so a "
+        "row's bits do not depend on its chunk; 'exact' keeps the activations float32 "
+        "(blocks read at up to 16 rows, MKL's float32 GEMM on dequantized weights above)",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads (of all ranks together); None = all cores")

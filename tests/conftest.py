@@ -48,11 +48,12 @@ def smol_llm(smol_path):
 
 
 @pytest.fixture(scope="session")
-def smol_llm_int8(smol_path):
-    """The default model with 8-bit activations (cpu_matmul int8, llama.cpp's scheme)."""
+def smol_llm_exact(smol_path):
+    """The default model with float32 activations (cpu_matmul exact): transformers' greedy
+    tokens, where the default's 8-bit activations move some off their path."""
     from kvserve import LLM
 
-    return LLM(smol_path, kv_cache_tokens=4096, cpu_matmul="int8", host_cache_gib=0)
+    return LLM(smol_path, kv_cache_tokens=4096, cpu_matmul="exact", host_cache_gib=0)
 
 
 # The session's Ray + Serve app (`serve_app`), started only by tests that use it.

@@ -38,9 +38,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantized-decode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="exact",
-                   help="CPU quantized-block matmuls: float32 activations (exact, the engine's "
-                   "default) or 8-bit ones (int8)")
+    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="int8",
+                   help="CPU quantized-block matmuls: 8-bit activations (int8, the engine's "
+                   "default) or float32 ones (exact)")
     p.add_argument("--llama-batched-bench", default=None, metavar="BIN",
                    help="also run llama.cpp's llama-batched-bench (this path) on the same GGUF, "
                    "point by point, interleaved")

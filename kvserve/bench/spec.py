@@ -67,9 +67,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="runs of each point per engine, alternating which goes first; the "
                         "medians are shown")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="exact",
-                   help="CPU on GGUF blocks: float32 activations (exact, the engine's default) or "
-                        "8-bit ones (int8: verifying k+1 rows reads each weight block once)")
+    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="int8",
+                   help="CPU on GGUF blocks: 8-bit activations (int8, the engine's default: "
+                        "verifying k+1 rows reads each weight block once) or float32 ones (exact)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_spec)

@@ -53,8 +53,8 @@ def test_grpc_info_methods(serve_app, stub):
     assert info.max_model_len == 1024
     # what each engine runs, as its start-up log says: the CPU kernels built on this host
     for w in info.workers:
-        assert w.runtime["attention"] == "torch, decode in the C kernel", dict(w.runtime)
-        assert w.runtime["linears"].startswith("quantized blocks x float32 activations"), dict(w.runtime)
+        assert w.runtime["attention"] == "torch, prompt and decode rows in the C kernel", dict(w.runtime)
+        assert w.runtime["linears"].startswith("quantized blocks x 8-bit activations"), dict(w.runtime)
         # the session's app enables LoRA: the one-call step would skip the adapters
         assert w.runtime["decode_step"] == "op by op: LoRA adapters run op by op", dict(w.runtime)
         assert "cuda_graphs" not in w.runtime
@@ -71,7 +71,7 @@ def test_grpc_info_methods(serve_app, stub):
         http = json.loads(r.read())
     assert http["max_model_len"] == 1024
     for w in http["workers"]:
-        assert w["runtime"]["attention"] == "torch, decode in the C kernel"
+        assert w["runtime"]["attention"] == "torch, prompt and decode rows in the C kernel"
         assert w["host_tier"]["restore_policy"] == "copy" and w["host_tier"]["prefill_tokens_per_s"] > 0
         assert set(w["host_tier"]["restores"]) == set(ht.restores)
 

@@ -372,6 +372,8 @@ def test_cpu_matmul_flag_reaches_the_workers_engine():
     int8 = config_from_args(parse(["serve", "--cpu-matmul", "int8"]))
     assert int8.router_config().worker_engine(8)["cpu_matmul"] == "int8"
     plain = config_from_args(parse(["serve"]))
-    assert "cpu_matmul" not in plain.engine  # the engine's own default (exact)
+    assert "cpu_matmul" not in plain.engine  # the engine's own default (int8)
+    exact = config_from_args(parse(["serve", "--cpu-matmul", "exact"]))
+    assert exact.router_config().worker_engine(8)["cpu_matmul"] == "exact"
     with pytest.raises(SystemExit):
         parse(["serve", "--cpu-matmul", "fp8"])

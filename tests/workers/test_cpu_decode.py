@@ -108,7 +108,7 @@ def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
     for a, p, o in zip(alone, packed, one_thread, strict=True):
         assert torch.equal(a[0], p[0])
         assert torch.equal(a[0], o[0])
-    # a step that also holds a 40-token prompt chunk runs op by op
+    # a step that also holds a 40-token prompt chunk (its rows attend one by one as well)
     r = _runner(smol, True, cpu_matmul="int8")
     toks = list(target["t"])
     r.execute([StreamStep("t", toks, len(toks))])
@@ -116,6 +116,44 @@ def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
     chunk = torch.randint(100, 40000, (40,), generator=g).tolist()
     _, logits = r.execute([StreamStep("t", toks, len(toks)), StreamStep("p", chunk, 40)])
     assert torch.equal(logits[0], alone[0][0])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_int8_prompt_rows_do_not_depend_on_the_chunk(lib, smol, fused: bool) -> None:
+    """With 8-bit activations a prompt's logits, and the tokens decoded after it, are the
+    same bits prefilled in one chunk, in uneven chunks, token by token, or after another
+    prompt computed (and cached) its first blocks: a cached prefix does not change a
+    request's greedy text. Through the one-call step and op by op."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(100, 40000, (45,), generator=g).tolist()
+    forced = [7000, 123, 4242]
+
+    def run(cuts: list[int], shared: list[int] | None = None) -> list[torch.Tensor]:
+        r = ModelRunner(smol, EngineConfig(kv_cache_tokens=4096, host_cache_gib=0, block_size=16,
+                                           cpu_matmul="int8", enable_prefix_caching=shared is not None))
+        if not fused:
+            r.model.cpu_step = None
+        if shared is not None:  # another prompt with the same first 32 tokens, then freed
+            r.execute([StreamStep("other", shared, len(shared))])
+            r.free("other")
+        toks = list(prompt)
+        seen = []
+        for cut in cuts:
+            plan, logits = r.execute([StreamStep("s", toks, cut)])
+            if cut == len(prompt) and shared is not None:
+                assert plan.streams[0].start >= 32  # the shared blocks came from the cache
+        seen.append(logits[0])
+        for t in forced:
+            toks.append(t)
+            _, logits = r.execute([StreamStep("s", toks, len(toks))])
+            seen.append(logits[0])
+        return seen
+
+    whole = run([45])
+    other = prompt[:32] + torch.randint(100, 40000, (20,), generator=g).tolist()
+    for got in (run([7, 30, 45]), run(list(range(1, 46))), run([45], shared=other)):
+        for a, b in zip(whole, got, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_exact_path_leaves_large_batches_to_mkl(lib, smol) -> None:

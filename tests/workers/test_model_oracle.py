@@ -78,16 +78,18 @@ def _greedy_matches_transformers(llm: LLM, hf, texts: list[str], n: int) -> None
         assert out.finish_reason == "length"
 
 
-def test_smollm2_greedy_matches_transformers(smol_llm: LLM, hf_smol):
-    """The default GGUF gives transformers' greedy tokens, batched: a text and a chat prompt
-    here, every prompt below in the slow tier (transformers' own decode is the slow part)."""
-    _greedy_matches_transformers(smol_llm, hf_smol, PROMPTS[5:7], 16)
+def test_smollm2_greedy_matches_transformers(smol_llm_exact: LLM, hf_smol):
+    """The default GGUF with float32 activations gives transformers' greedy tokens, batched:
+    a text and a chat prompt here, every prompt below in the slow tier (transformers' own
+    decode is the slow part)."""
+    _greedy_matches_transformers(smol_llm_exact, hf_smol, PROMPTS[5:7], 16)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers_on_every_prompt(smol_llm: LLM, hf_smol):
-    """The default GGUF gives transformers' greedy 32 tokens for varied prompts, batched."""
-    _greedy_matches_transformers(smol_llm, hf_smol, PROMPTS, 32)
+def test_smollm2_greedy_matches_transformers_on_every_prompt(smol_llm_exact: LLM, hf_smol):
+    """With float32 activations the default GGUF gives transformers' greedy 32 tokens for
+    varied prompts, batched."""
+    _greedy_matches_transformers(smol_llm_exact, hf_smol, PROMPTS, 32)
 
 
 # llama.cpp 0c1e570 (the benchmark docs' build) on these prompts and the chat prompt, 32
@@ -96,17 +98,17 @@ LLAMA_CPP_MEAN_PREFIX = 12.4
 
 
 @pytest.mark.slow
-def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm_int8: LLM, hf_smol):
-    """8-bit activations move greedy decoding off transformers' path on some prompts, as
-    llama.cpp's (the same scheme) do: on average no sooner than llama.cpp's do."""
+def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm: LLM, hf_smol):
+    """The default's 8-bit activations move greedy decoding off transformers' path on some
+    prompts, as llama.cpp's (the same scheme) do: on average no sooner than llama.cpp's do."""
     from kvserve.bench.common import identical
 
-    tok = smol_llm_int8.tokenizer
+    tok = smol_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     prompts.append(tok.apply_chat_template(
         [{"role": "user", "content": "What is the boiling point of water?"}],
         add_generation_prompt=True, tokenize=True))
-    outs = smol_llm_int8.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    outs = smol_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     refs = []
     for ids in prompts:
         with torch.no_grad():

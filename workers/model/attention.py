@@ -81,16 +81,18 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(
-    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32,
+    prefill_rows: bool = False,
 ) -> AttentionBackend:
     """'torch' always works; 'triton' needs CUDA (or Triton's CPU interpreter) and triton;
-    'flash' needs CUDA and vllm-flash-attn; 'auto' on CUDA prefers triton, then flash."""
+    'flash' needs CUDA and vllm-flash-attn; 'auto' on CUDA prefers triton, then flash.
+    `prefill_rows`: the torch backend's C kernel attends prompt rows too (TorchAttention)."""
     from kvserve.workers.model.attention_torch import TorchAttention
 
     # the C decode kernel covers float32 on the CPU; everything else stays in torch
     use_kernel = device.type == "cpu" and dtype == torch.float32
     if name == "torch":
-        return TorchAttention(use_kernel)
+        return TorchAttention(use_kernel, prefill_rows)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             return _triton_backend(device)
@@ -107,7 +109,7 @@ def select_backend(
             if name == "flash":
                 raise RuntimeError(f"attention backend 'flash' unavailable: {e}") from e
             log.info("vllm-flash-attn not usable (%s); using torch attention", e)
-    return TorchAttention(use_kernel)
+    return TorchAttention(use_kernel, prefill_rows)
 
 
 def _triton_backend(device: torch.device) -> AttentionBackend:

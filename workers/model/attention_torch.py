@@ -7,6 +7,13 @@ unavailable, use one SDPA call per stream: a zero-copy view of the stream's KV
 when its blocks are consecutive in the pool, else a gather of its blocks.
 docs/design.md has the measurements behind this split.
 
+With `prefill_rows` (8-bit activations, cpu_matmul int8) every prompt row also goes to
+the C kernel as a decode row over the keys up to its own position: SDPA's result for a
+row depends on the chunk it comes in (its tiling), and 8-bit rounding would turn that
+last-bit difference into a different token, so a request's text would depend on which
+earlier request computed a cached prefix. Row by row, prompt, verify and decode rows
+are the same bits wherever they run.
+
 A sliding-window layer reads only the blocks its window reaches (the C kernel starts
 at the window's first block; SDPA plans gather from there and mask the rest), and a
 soft-capped layer (Gemma 2) computes its scores explicitly, since SDPA cannot cap them.
@@ -96,12 +103,16 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Str
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, use_kernel: bool = True) -> None:
+    def __init__(self, use_kernel: bool = True, prefill_rows: bool = False) -> None:
+        """`prefill_rows`: prompt rows too attend through the C kernel, each as a decode row
+        over the keys up to its own position, so a row's bits do not depend on the chunk it
+        came in (what the 8-bit matmuls need: see `forward`)."""
         self.kernel = None
         if use_kernel:
             from kvserve.workers.model.cpu_kernels import load_paged_decode
 
             self.kernel = load_paged_decode()
+        self.prefill_rows = prefill_rows and self.kernel is not None
         self.threads = torch.get_num_threads()
         self.layers: list[LayerAttention] | None = None  # None: plain attention everywhere
         self.windows: list[int | None] = [None]
@@ -123,12 +134,13 @@ class TorchAttention:
         dec_lens: list[int] = []
         q0 = 0
         for qlen, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables, strict=True):
-            seq = ctx + qlen
-            if qlen == 1 and use_kernel:  # the kernel applies each layer's window itself
-                dec_rows.append(q0)
-                dec_tables.append(table[: -(-seq // bs)])
-                dec_lens.append(seq)
-                q0 += 1
+            if use_kernel and (qlen == 1 or self.prefill_rows):
+                # the kernel applies each layer's window itself
+                for i in range(qlen):
+                    dec_rows.append(q0 + i)
+                    dec_tables.append(table[: -(-(ctx + i + 1) // bs)])
+                    dec_lens.append(ctx + i + 1)
+                q0 += qlen
                 continue
             for window, out in plans.items():
                 out.append(_plan_stream(q0, qlen, ctx, table, bs, window, device))
@@ -153,6 +165,8 @@ class TorchAttention:
         qlens, ctxs = inp.query_lens, inp.context_lens
         dec = qlens == 1
         verify = inp.verify
+        if self.prefill_rows:
+            verify = np.ones(len(qlens), dtype=bool)
         if verify is not None:
             # a stream verifying proposals: each of its query rows attends as a decode row
             # over the keys up to its own position (all written before attention), so the

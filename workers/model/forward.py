@@ -85,7 +85,8 @@ class StepForward:
         device block tables (read from `tables`) and the captured graphs."""
         on_cuda = self.device.type == "cuda"
         self.tables = DeviceTables(tables, self.device) if on_cuda else None
-        self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
+        self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype,
+                                   prefill_rows=config.cpu_matmul == "int8")
         self.attn.configure(self.model.attention_layers)
         log.info("attention backend: %s", self.attn.name)
         use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
@@ -94,7 +95,8 @@ class StepForward:
         if self.attn.name == "torch" and self.device.type == "cpu":
             from kvserve.workers.model.cpu_kernels import kernel_states
 
-            self.runtime["attention"] = ("torch, decode in the C kernel"
+            rows = "prompt and decode rows" if getattr(self.attn, "prefill_rows", False) else "decode"
+            self.runtime["attention"] = (f"torch, {rows} in the C kernel"
                                          if getattr(self.attn, "kernel", None) is not None else
                                          "torch, decode in SDPA: " + kernel_states().get(
                                              "paged_decode", "the kernel covers float32 only"))
