@@ -33,9 +33,9 @@ def test_generate_strings_and_ids(smol_llm: LLM):
 
 
 def test_chat_uses_template(smol_llm: LLM):
-    (out,) = smol_llm.chat([{"role": "user", "content": "What is the boiling point of water?"}],
+    (out,) = smol_llm.chat([{"role": "user", "content": "How many days are in a week?"}],
                            SamplingParams(temperature=0, max_tokens=40))
-    assert "100" in out.text
+    assert "7 days" in out.text
     assert out.finish_reason == "stop"  # the model ends its turn with EOS (<|im_end|>)
     assert_idle(smol_llm)
 

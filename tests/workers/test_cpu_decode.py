@@ -118,44 +118,6 @@ def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
     assert torch.equal(logits[0], alone[0][0])
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_int8_prompt_rows_do_not_depend_on_the_chunk(lib, smol, fused: bool) -> None:
-    """With 8-bit activations a prompt's logits, and the tokens decoded after it, are the
-    same bits prefilled in one chunk, in uneven chunks, token by token, or after another
-    prompt computed (and cached) its first blocks: a cached prefix does not change a
-    request's greedy text. Through the one-call step and op by op."""
-    g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(100, 40000, (45,), generator=g).tolist()
-    forced = [7000, 123, 4242]
-
-    def run(cuts: list[int], shared: list[int] | None = None) -> list[torch.Tensor]:
-        r = ModelRunner(smol, EngineConfig(kv_cache_tokens=4096, host_cache_gib=0, block_size=16,
-                                           cpu_matmul="int8", enable_prefix_caching=shared is not None))
-        if not fused:
-            r.model.cpu_step = None
-        if shared is not None:  # another prompt with the same first 32 tokens, then freed
-            r.execute([StreamStep("other", shared, len(shared))])
-            r.free("other")
-        toks = list(prompt)
-        seen = []
-        for cut in cuts:
-            plan, logits = r.execute([StreamStep("s", toks, cut)])
-            if cut == len(prompt) and shared is not None:
-                assert plan.streams[0].start >= 32  # the shared blocks came from the cache
-        seen.append(logits[0])
-        for t in forced:
-            toks.append(t)
-            _, logits = r.execute([StreamStep("s", toks, len(toks))])
-            seen.append(logits[0])
-        return seen
-
-    whole = run([45])
-    other = prompt[:32] + torch.randint(100, 40000, (20,), generator=g).tolist()
-    for got in (run([7, 30, 45]), run(list(range(1, 46))), run([45], shared=other)):
-        for a, b in zip(whole, got, strict=True):
-            assert torch.equal(a, b)
-
-
 def test_exact_path_leaves_large_batches_to_mkl(lib, smol) -> None:
     r = _runner(smol, True, cpu_matmul="exact")
     prompts = {f"s{i}": [100 + i, 200, 300] for i in range(17)}
@@ -222,6 +184,49 @@ def test_family_step_matches_op_by_op(lib, family_models, arch: str) -> None:
     ref = _decode(_runner(loaded, False, quantized_decode=False), prompts, steps)
     for g, r in zip(got, ref, strict=True):
         assert ((g - r).norm(dim=-1) <= 0.1 * r.norm(dim=-1) + 1e-3).all()
+
+
+@pytest.mark.parametrize("arch", ["default", "gemma2", "mistral"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_int8_prompt_rows_do_not_depend_on_the_chunk(lib, smol, family_models, arch: str,
+                                                     fused: bool) -> None:
+    """With 8-bit activations a prompt's logits, and the tokens decoded after it, are the
+    same bits prefilled in one chunk, in uneven chunks, token by token, or after another
+    prompt computed (and cached) its first blocks: a cached prefix does not change a
+    request's greedy text. Through the one-call step and op by op; soft-caps and windows
+    (Gemma 2, Mistral) included."""
+    loaded = smol if arch == "default" else load_model(family_models[arch])
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(100, 40000, (45,), generator=g).tolist()
+    forced = [7000, 123, 4242]
+
+    def run(cuts: list[int], shared: list[int] | None = None) -> list[torch.Tensor]:
+        r = ModelRunner(loaded, EngineConfig(kv_cache_tokens=4096, host_cache_gib=0, block_size=16,
+                                             cpu_matmul="int8",
+                                             enable_prefix_caching=shared is not None))
+        if not fused:
+            r.model.cpu_step = None
+        if shared is not None:  # another prompt with the same first 32 tokens, then freed
+            r.execute([StreamStep("other", shared, len(shared))])
+            r.free("other")
+        toks = list(prompt)
+        seen = []
+        for cut in cuts:
+            plan, logits = r.execute([StreamStep("s", toks, cut)])
+            if cut == len(prompt) and shared is not None:
+                assert plan.streams[0].start >= 32  # the shared blocks came from the cache
+        seen.append(logits[0])
+        for t in forced:
+            toks.append(t)
+            _, logits = r.execute([StreamStep("s", toks, len(toks))])
+            seen.append(logits[0])
+        return seen
+
+    whole = run([45])
+    other = prompt[:32] + torch.randint(100, 40000, (20,), generator=g).tolist()
+    for got in (run([7, 30, 45]), run(list(range(1, 46))), run([45], shared=other)):
+        for a, b in zip(whole, got, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:

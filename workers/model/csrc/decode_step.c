@@ -151,6 +151,7 @@ static int64_t ds_align(int64_t v) { return (v + 63) & ~(int64_t)63; }
 typedef struct {
     float *h, *qkv, *att, *tmp, *actf;
     void *abuf, *bbuf;
+    int64_t *tiles;  // pd_plan_tiles' starts
 } ds_scratch;
 
 static int64_t ds_kmax(const ds_model *md) {
@@ -161,14 +162,14 @@ static int64_t ds_kmax(const ds_model *md) {
 static int64_t ds_layout(const ds_model *md, int64_t B, void *base, ds_scratch *s) {
     const int64_t nqkv = md->layers[0].qkv.N;
     const int64_t wide = 2 * md->inter > md->hidden ? 2 * md->inter : md->hidden;
-    const int64_t sizes[7] = {
+    const int64_t sizes[8] = {
         B * md->hidden * 4, B * nqkv * 4, B * md->hq * md->d * 4, B * wide * 4, B * md->inter * 4,
-        qg_act_bytes(B, ds_kmax(md)), qg_act_bytes(B, ds_kmax(md)),
+        qg_act_bytes(B, ds_kmax(md)), qg_act_bytes(B, ds_kmax(md)), (B + 1) * 8,
     };
     char *p = (char *)base;
     int64_t off = 64;  // room to align the base
-    void *ptrs[7];
-    for (int i = 0; i < 7; ++i) {
+    void *ptrs[8];
+    for (int i = 0; i < 8; ++i) {
         ptrs[i] = p == NULL ? NULL : (void *)(((uintptr_t)p + off + 63) & ~(uintptr_t)63);
         off += ds_align(sizes[i]) + 64;
     }
@@ -180,6 +181,7 @@ static int64_t ds_layout(const ds_model *md, int64_t B, void *base, ds_scratch *
         s->actf = ptrs[4];
         s->abuf = ptrs[5];
         s->bbuf = ptrs[6];
+        s->tiles = ptrs[7];
     }
     return off;
 }
@@ -202,6 +204,8 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
     const int64_t nqkv = md->layers[0].qkv.N, rep = hq / hkv, ad = hq * d;
     const int exact = (int)md->exact;
     qg_act A, Bq;
+    // a prompt chunk's (or verify step's) rows attend in tiles of consecutive positions
+    const int64_t ntiles = pd_plan_tiles(tables, max_blocks, lens, B, md->bs, hq / hkv, s.tiles);
     // rows the quantizers fill: the interleaved layout pads the last group with zero rows
     const int64_t Bp = B >= QG_INTER_MIN ? (B + 7) / 8 * 8 : B;
 #pragma omp parallel num_threads(n_threads)
@@ -257,16 +261,26 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
             // fewer items than threads to keep busy
             {
                 const int fine = B * hkv < 2 * T;
-                const int64_t items = fine ? B * hq : B * hkv, per = fine ? 1 : rep;
+                const int64_t tile_items = fine ? 0 : ntiles * hkv, head_items = fine ? B * hq : 0;
 #pragma omp for schedule(dynamic, 1) nowait
-                for (int64_t it = 0; it < items; ++it) {
-                    const int64_t b = fine ? it / hq : it / hkv;
-                    const int64_t qh0 = fine ? it % hq : (it % hkv) * rep;
-                    pd_item(s.qkv, ly->k_cache, ly->v_cache, s.att, tables + b * max_blocks, lens[b], b,
-                            qh0 / rep, nqkv, ad, qh0, hkv, d, md->bs, per, ly->scale, ly->window,
+                for (int64_t it = 0; it < tile_items; ++it) {
+                    const int64_t tl = it / hkv, h = it % hkv, b0 = s.tiles[tl], P = s.tiles[tl + 1] - b0;
+                    pd_tile(s.qkv, ly->k_cache, ly->v_cache, s.att, tables + (b0 + P - 1) * max_blocks,
+                            lens[b0], P, b0, h, nqkv, ad, hkv, d, md->bs, rep, ly->scale, ly->window,
                             ly->softcap);
                     if (!exact)
-                        for (int64_t blk = qh0 * d / QG_QK; blk < (qh0 + per) * d / QG_QK; ++blk)
+                        for (int64_t b = b0; b < b0 + P; ++b)
+                            for (int64_t blk = h * rep * d / QG_QK; blk < (h + 1) * rep * d / QG_QK; ++blk)
+                                qg_quantize_block(&Bq, s.att + b * ad + blk * QG_QK, b, blk);
+                }
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int64_t it = 0; it < head_items; ++it) {
+                    const int64_t b = it / hq, qh = it % hq;
+                    pd_item(s.qkv, ly->k_cache, ly->v_cache, s.att, tables + b * max_blocks, lens[b], b,
+                            qh / rep, nqkv, ad, qh, hkv, d, md->bs, 1, ly->scale, ly->window,
+                            ly->softcap);
+                    if (!exact)
+                        for (int64_t blk = qh * d / QG_QK; blk < (qh + 1) * d / QG_QK; ++blk)
                             qg_quantize_block(&Bq, s.att + b * ad + blk * QG_QK, b, blk);
                 }
                 if (!exact)

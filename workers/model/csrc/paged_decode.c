@@ -10,6 +10,7 @@
 // libm expf per score costs more than reading the score's K row from DRAM.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -170,6 +171,94 @@ static inline __attribute__((always_inline)) void item_avx2(
     }
     end_item(out, acc, l, b, ldo, qh0, D, rep);
 }
+
+// A tile: P consecutive prompt (or verify) rows of one stream, rows b .. b+P-1 at lengths
+// L0 .. L0+P-1 over one block table, kv head h, its rep query heads: R = P * rep rows
+// that read each K/V row once for all of them. Every row's arithmetic is item_avx2's for
+// that row alone (the same blocks, the same score, softmax and V loops over its own n), so
+// a row's bits do not depend on the tile it is in. No window (callers check).
+static inline __attribute__((always_inline)) void tile_avx2(
+    const float *q, const float *k, const float *v, float *out, const int32_t *table,
+    int32_t L0, int64_t P, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t Hkv,
+    const int64_t D, int64_t bs, int64_t rep, float scale, float cap) {
+    float qs[MAX_REP][MAX_D] __attribute__((aligned(32)));
+    float acc[MAX_REP][MAX_D] __attribute__((aligned(32)));
+    float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
+    float m[MAX_REP], l[MAX_REP];
+    const int64_t C = D / 8, R = P * rep, Lmax = L0 + P - 1;
+    for (int64_t p = 0; p < P; ++p)
+        begin_item(q, qs + p * rep, acc + p * rep, m + p * rep, l + p * rep, b + p, ldq, h * rep, D, rep, scale);
+    for (int64_t t0 = 0; t0 < Lmax; t0 += bs) {
+        const int64_t nmax = (Lmax - t0) < bs ? (Lmax - t0) : bs;
+        const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
+        if (t0 + bs < Lmax) {
+            const int64_t nb = ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h;
+            const int64_t nn = (Lmax - t0 - bs) < bs ? (Lmax - t0 - bs) : bs;
+            for (int64_t j = 0; j < nn; ++j)
+                for (int64_t c = 0; c < D; c += 16) {
+                    _mm_prefetch((const char *)(k + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+                }
+        }
+        // rows r < r0 (earlier positions) may end inside this block: row r sees n_r keys
+        for (int64_t j = 0; j < nmax; ++j) {
+            const float *kj = k + (base + j * Hkv) * D;
+            for (int64_t r = 0; r < R; ++r) {
+                if (t0 + j >= L0 + r / rep) continue;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t c = 0;
+                for (; c + 1 < C; c += 2) {
+                    a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+                }
+                if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+                s[r][j] = kv_hsum(_mm256_add_ps(a0, a1));
+            }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t Lr = L0 + r / rep;
+            if (t0 >= Lr) continue;
+            const int64_t n = (Lr - t0) < bs ? (Lr - t0) : bs;
+            fix_scores(s + r, 1, n, t0, 0, cap);
+            float mx = m[r];
+            for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
+            const float corr = expf(m[r] - mx);
+            if (corr != 1.f) {
+                const __m256 cv = _mm256_set1_ps(corr);
+                for (int64_t c = 0; c < C; ++c)
+                    _mm256_store_ps(acc[r] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * c), cv));
+            }
+            const __m256 mv = _mm256_set1_ps(mx);
+            __m256 lsum = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(s[r] + j), mv));
+                _mm256_store_ps(s[r] + j, e);
+                lsum = _mm256_add_ps(lsum, e);
+            }
+            float lt = kv_hsum(lsum);
+            for (; j < n; ++j) {
+                s[r][j] = expf(s[r][j] - mx);
+                lt += s[r][j];
+            }
+            l[r] = l[r] * corr + lt;
+            m[r] = mx;
+            for (int64_t cg = 0; cg < C; cg += 8) {
+                const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
+                __m256 a[8];
+                for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(acc[r] + 8 * (cg + c));
+                for (int64_t jj = 0; jj < n; ++jj) {
+                    const float *vj = v + (base + jj * Hkv) * D + 8 * cg;
+                    const __m256 pv = _mm256_set1_ps(s[r][jj]);
+                    for (int64_t c = 0; c < cn; ++c)
+                        a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * c), a[c]);
+                }
+                for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(acc[r] + 8 * (cg + c), a[c]);
+            }
+        }
+    }
+    for (int64_t p = 0; p < P; ++p) end_item(out, acc + p * rep, l + p * rep, b + p, ldo, h * rep, D, rep);
+}
 #endif
 
 // The portable path (any D, no AVX2): same algorithm, libm exponentials.
@@ -242,6 +331,44 @@ static void pd_item(const float *q, const float *k, const float *v, float *out,
     item_generic(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
 }
 
+// Rows b .. b+P-1 of one stream (plan_tiles) against kv head h: one tile where it can
+// (AVX2, no window), else row by row; either way each row gives pd_item's bits.
+static void pd_tile(const float *q, const float *k, const float *v, float *out,
+                    const int32_t *table, int32_t L0, int64_t P, int64_t b, int64_t h,
+                    int64_t ldq, int64_t ldo, int64_t Hkv, int64_t D, int64_t bs, int64_t rep,
+                    float scale, int64_t window, float cap) {
+#ifdef KV_AVX2
+    if (P > 1 && window == 0 && D % 8 == 0) {
+        if (D == 64) tile_avx2(q, k, v, out, table, L0, P, b, h, ldq, ldo, Hkv, 64, bs, rep, scale, cap);
+        else if (D == 128) tile_avx2(q, k, v, out, table, L0, P, b, h, ldq, ldo, Hkv, 128, bs, rep, scale, cap);
+        else tile_avx2(q, k, v, out, table, L0, P, b, h, ldq, ldo, Hkv, D, bs, rep, scale, cap);
+        return;
+    }
+#endif
+    for (int64_t p = 0; p < P; ++p)
+        pd_item(q, k, v, out, table, L0 + (int32_t)p, b + p, h, ldq, ldo, h * rep, Hkv, D, bs, rep,
+                scale, window, cap);
+}
+
+enum { PD_TILE_MAX = 8 };
+
+// Tiles of consecutive rows that are one stream's consecutive positions (a prompt chunk,
+// a verify step): each row one longer than the one before, over the same blocks. A tile
+// reads its last row's table. starts[0 .. n] (n + 1 entries, starts[n] = B); returns n.
+static int64_t pd_plan_tiles(const int32_t *tables, int64_t max_blocks, const int32_t *lens,
+                             int64_t B, int64_t bs, int64_t rep, int64_t *starts) {
+    const int64_t cap = MAX_REP / rep < PD_TILE_MAX ? MAX_REP / rep : PD_TILE_MAX;
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int join = n > 0 && b - starts[n - 1] < cap && lens[b] == lens[b - 1] + 1 &&
+                         !memcmp(tables + b * max_blocks, tables + (b - 1) * max_blocks,
+                                 sizeof(int32_t) * (size_t)((lens[b - 1] + bs - 1) / bs));
+        if (!join) starts[n++] = b;
+    }
+    starts[n] = B;
+    return n;
+}
+
 // q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32;
 // window: keys a query sees, itself included (0: all); cap: score soft-cap (0: none)
 int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
@@ -250,12 +377,16 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
                      float scale, int64_t window, float cap, int n_threads) {
     if (Hq % Hkv || Hq / Hkv > MAX_REP || D > MAX_D || bs > MAX_BS) return -1;
     const int64_t rep = Hq / Hkv;
-    const int64_t items = B * Hkv;
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (starts == NULL) return -2;
+    const int64_t tiles = pd_plan_tiles(tables, max_blocks, seq_lens, B, bs, rep, starts);
+    const int64_t items = tiles * Hkv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
     for (int64_t it = 0; it < items; ++it) {
-        const int64_t b = it / Hkv, h = it % Hkv;
-        pd_item(q, k, v, out, tables + b * max_blocks, seq_lens[b], b, h, Hq * D, Hq * D, h * rep,
-                Hkv, D, bs, rep, scale, window, cap);
+        const int64_t t = it / Hkv, h = it % Hkv, b = starts[t], P = starts[t + 1] - b;
+        pd_tile(q, k, v, out, tables + (b + P - 1) * max_blocks, seq_lens[b], P, b, h, Hq * D,
+                Hq * D, Hkv, D, bs, rep, scale, window, cap);
     }
+    free(starts);
     return 0;
 }
