@@ -85,6 +85,72 @@ static inline float kv_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// One score: a pre-scaled query row against a K row (C chunks of 8).
+static inline __attribute__((always_inline)) float row_score(const float *qr, const float *kj,
+                                                             const int64_t C) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < C; c += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+    }
+    if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+    return kv_hsum(_mm256_add_ps(a0, a1));
+}
+
+// One row's online-softmax step over a block's n scores (sr, turned into weights), then
+// its V accumulation over keys j0 .. n-1 (V row j at vb + j * vstride). Per query row and
+// 64-wide slice of D the accumulator stays in registers across the block's tokens (the V
+// rows are re-read from L1, not DRAM).
+static inline __attribute__((always_inline)) void row_block(float *sr, float *accr, float *mr,
+                                                            float *lr, int64_t n, int64_t j0,
+                                                            const float *vb, int64_t vstride,
+                                                            const int64_t C) {
+    float mx = *mr;
+    for (int64_t j = 0; j < n; ++j) mx = sr[j] > mx ? sr[j] : mx;
+    const float corr = expf(*mr - mx);  // once per block: libm is fine here
+    if (corr != 1.f) {
+        const __m256 cv = _mm256_set1_ps(corr);
+        for (int64_t c = 0; c < C; ++c) _mm256_store_ps(accr + 8 * c, _mm256_mul_ps(_mm256_load_ps(accr + 8 * c), cv));
+    }
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 lsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(sr + j), mv));
+        _mm256_store_ps(sr + j, e);
+        lsum = _mm256_add_ps(lsum, e);
+    }
+    float lt = kv_hsum(lsum);
+    for (; j < n; ++j) {
+        sr[j] = expf(sr[j] - mx);
+        lt += sr[j];
+    }
+    *lr = *lr * corr + lt;
+    *mr = mx;
+    for (int64_t cg = 0; cg < C; cg += 8) {
+        const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
+        __m256 a[8];
+        for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(accr + 8 * (cg + c));
+        for (int64_t jj = j0; jj < n; ++jj) {
+            const float *vj = vb + jj * vstride + 8 * cg;
+            const __m256 p = _mm256_set1_ps(sr[jj]);
+            for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
+        }
+        for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(accr + 8 * (cg + c), a[c]);
+    }
+}
+
+// The next block is usually elsewhere in the pool: start its DRAM reads now.
+static inline void prefetch_block(const float *k, const float *v, int64_t nb, int64_t nn,
+                                  int64_t Hkv, int64_t D) {
+    for (int64_t j = 0; j < nn; ++j)
+        for (int64_t c = 0; c < D; c += 16) {
+            _mm_prefetch((const char *)(k + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+        }
+}
+
 // One item: stream b, kv head h, the `rep` query heads from qh0 on (all that share h,
 // or fewer when the work is split finer); q and out rows of stream b start at b * ldq
 // and b * ldo. D is a compile-time constant where inlined from the dispatch below, so
@@ -102,72 +168,16 @@ static inline __attribute__((always_inline)) void item_avx2(
     for (int64_t t0 = first / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = (L - t0) < bs ? (L - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
-        if (t0 + bs < L) {
-            // the next block is usually elsewhere in the pool: start its DRAM reads now
-            const int64_t nb = ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h;
-            const int64_t nn = (L - t0 - bs) < bs ? (L - t0 - bs) : bs;
-            for (int64_t j = 0; j < nn; ++j)
-                for (int64_t c = 0; c < D; c += 16) {
-                    _mm_prefetch((const char *)(k + (nb + j * Hkv) * D + c), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
-                }
-        }
+        if (t0 + bs < L)
+            prefetch_block(k, v, ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h,
+                           (L - t0 - bs) < bs ? (L - t0 - bs) : bs, Hkv, D);
         const int64_t j0 = t0 < first ? first - t0 : 0;  // keys before the window: unread
         for (int64_t j = j0; j < n; ++j) {
             const float *kj = k + (base + j * Hkv) * D;
-            for (int64_t r = 0; r < rep; ++r) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t c = 0;
-                for (; c + 1 < C; c += 2) {
-                    a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
-                }
-                if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-                s[r][j] = kv_hsum(_mm256_add_ps(a0, a1));
-            }
+            for (int64_t r = 0; r < rep; ++r) s[r][j] = row_score(qs[r], kj, C);
         }
         fix_scores(s, rep, n, t0, first, cap);
-        for (int64_t r = 0; r < rep; ++r) {
-            float mx = m[r];
-            for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
-            const float corr = expf(m[r] - mx);  // once per block: libm is fine here
-            if (corr != 1.f) {
-                const __m256 cv = _mm256_set1_ps(corr);
-                for (int64_t c = 0; c < C; ++c)
-                    _mm256_store_ps(acc[r] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * c), cv));
-            }
-            const __m256 mv = _mm256_set1_ps(mx);
-            __m256 lsum = _mm256_setzero_ps();
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) {
-                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(s[r] + j), mv));
-                _mm256_store_ps(s[r] + j, e);
-                lsum = _mm256_add_ps(lsum, e);
-            }
-            float lt = kv_hsum(lsum);
-            for (; j < n; ++j) {
-                s[r][j] = expf(s[r][j] - mx);
-                lt += s[r][j];
-            }
-            l[r] = l[r] * corr + lt;
-            m[r] = mx;
-        }
-        // V: per query row and 64-wide slice of D, the accumulator stays in registers
-        // across the block's tokens (the V rows are re-read from L1, not DRAM)
-        for (int64_t r = 0; r < rep; ++r) {
-            for (int64_t cg = 0; cg < C; cg += 8) {
-                const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
-                __m256 a[8];
-                for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(acc[r] + 8 * (cg + c));
-                for (int64_t j = j0; j < n; ++j) {
-                    const float *vj = v + (base + j * Hkv) * D + 8 * cg;
-                    const __m256 p = _mm256_set1_ps(s[r][j]);
-                    for (int64_t c = 0; c < cn; ++c)
-                        a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
-                }
-                for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(acc[r] + 8 * (cg + c), a[c]);
-            }
-        }
+        for (int64_t r = 0; r < rep; ++r) row_block(s[r], acc[r], m + r, l + r, n, j0, v + base * D, Hkv * D, C);
     }
     end_item(out, acc, l, b, ldo, qh0, D, rep);
 }
@@ -175,8 +185,8 @@ static inline __attribute__((always_inline)) void item_avx2(
 // A tile: P consecutive prompt (or verify) rows of one stream, rows b .. b+P-1 at lengths
 // L0 .. L0+P-1 over one block table, kv head h, its rep query heads: R = P * rep rows
 // that read each K/V row once for all of them. Every row's arithmetic is item_avx2's for
-// that row alone (the same blocks, the same score, softmax and V loops over its own n), so
-// a row's bits do not depend on the tile it is in. No window (callers check).
+// that row alone (the same blocks, row_score and row_block over its own n), so a row's
+// bits do not depend on the tile it is in. No window (callers check).
 static inline __attribute__((always_inline)) void tile_avx2(
     const float *q, const float *k, const float *v, float *out, const int32_t *table,
     int32_t L0, int64_t P, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t Hkv,
@@ -191,70 +201,21 @@ static inline __attribute__((always_inline)) void tile_avx2(
     for (int64_t t0 = 0; t0 < Lmax; t0 += bs) {
         const int64_t nmax = (Lmax - t0) < bs ? (Lmax - t0) : bs;
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
-        if (t0 + bs < Lmax) {
-            const int64_t nb = ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h;
-            const int64_t nn = (Lmax - t0 - bs) < bs ? (Lmax - t0 - bs) : bs;
-            for (int64_t j = 0; j < nn; ++j)
-                for (int64_t c = 0; c < D; c += 16) {
-                    _mm_prefetch((const char *)(k + (nb + j * Hkv) * D + c), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
-                }
-        }
-        // rows r < r0 (earlier positions) may end inside this block: row r sees n_r keys
+        if (t0 + bs < Lmax)
+            prefetch_block(k, v, ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h,
+                           (Lmax - t0 - bs) < bs ? (Lmax - t0 - bs) : bs, Hkv, D);
         for (int64_t j = 0; j < nmax; ++j) {
             const float *kj = k + (base + j * Hkv) * D;
-            for (int64_t r = 0; r < R; ++r) {
-                if (t0 + j >= L0 + r / rep) continue;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int64_t c = 0;
-                for (; c + 1 < C; c += 2) {
-                    a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
-                }
-                if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qs[r] + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-                s[r][j] = kv_hsum(_mm256_add_ps(a0, a1));
-            }
+            // the rows of positions before p0 end before key t0 + j
+            const int64_t p0 = t0 + j - L0 + 1 > 0 ? t0 + j - L0 + 1 : 0;
+            for (int64_t r = p0 * rep; r < R; ++r) s[r][j] = row_score(qs[r], kj, C);
         }
         for (int64_t r = 0; r < R; ++r) {
             const int64_t Lr = L0 + r / rep;
             if (t0 >= Lr) continue;
             const int64_t n = (Lr - t0) < bs ? (Lr - t0) : bs;
             fix_scores(s + r, 1, n, t0, 0, cap);
-            float mx = m[r];
-            for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
-            const float corr = expf(m[r] - mx);
-            if (corr != 1.f) {
-                const __m256 cv = _mm256_set1_ps(corr);
-                for (int64_t c = 0; c < C; ++c)
-                    _mm256_store_ps(acc[r] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * c), cv));
-            }
-            const __m256 mv = _mm256_set1_ps(mx);
-            __m256 lsum = _mm256_setzero_ps();
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) {
-                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(s[r] + j), mv));
-                _mm256_store_ps(s[r] + j, e);
-                lsum = _mm256_add_ps(lsum, e);
-            }
-            float lt = kv_hsum(lsum);
-            for (; j < n; ++j) {
-                s[r][j] = expf(s[r][j] - mx);
-                lt += s[r][j];
-            }
-            l[r] = l[r] * corr + lt;
-            m[r] = mx;
-            for (int64_t cg = 0; cg < C; cg += 8) {
-                const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
-                __m256 a[8];
-                for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(acc[r] + 8 * (cg + c));
-                for (int64_t jj = 0; jj < n; ++jj) {
-                    const float *vj = v + (base + jj * Hkv) * D + 8 * cg;
-                    const __m256 pv = _mm256_set1_ps(s[r][jj]);
-                    for (int64_t c = 0; c < cn; ++c)
-                        a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * c), a[c]);
-                }
-                for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(acc[r] + 8 * (cg + c), a[c]);
-            }
+            row_block(s[r], acc[r], m + r, l + r, n, 0, v + base * D, Hkv * D, C);
         }
     }
     for (int64_t p = 0; p < P; ++p) end_item(out, acc + p * rep, l + p * rep, b + p, ldo, h * rep, D, rep);
