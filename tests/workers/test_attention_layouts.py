@@ -50,3 +50,29 @@ def test_decode_output_with_cuda_sdpa_layout(monkeypatch, hq, hkv) -> None:
     monkeypatch.setattr(F, "scaled_dot_product_attention", _cuda_layout_sdpa)
     got, want = _step(hq, hkv)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_rows_through_the_kernel_match_sdpa() -> None:
+    """prefill_rows (the 8-bit path): a prompt chunk after cached context, beside a decode
+    row, attends row by row through the C kernel to SDPA's values."""
+    from kernels import require_kernel
+
+    from kvserve.workers.model.cpu_kernels import load_paged_decode
+
+    require_kernel("paged_decode", load_paged_decode())
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, bs = 6, 2, 32, 4
+    cache = DeviceKVCache(1, 8, bs, hkv, d, torch.float32, "cpu")
+    cache.kv.normal_(generator=g)
+    # stream 0 decodes its 7th token; stream 1 prefills positions 5..9 after 5 cached
+    meta = AttentionMetadata(query_lens=[1, 5], context_lens=[6, 5], block_tables=[[5, 2], [0, 3, 4]],
+                             slot_mapping=torch.tensor([5 * bs + 2, 3 * bs + 1, 3 * bs + 2, 3 * bs + 3,
+                                                        4 * bs, 4 * bs + 1]), block_size=bs)
+    q, k, v = (torch.randn(6, h, d, generator=g) for h in (hq, hkv, hkv))
+    outs = []
+    for rows in (False, True):
+        attn = TorchAttention(use_kernel=True, prefill_rows=rows)
+        assert attn.prefill_rows is rows
+        attn.prepare(meta, torch.device("cpu"))
+        outs.append(attn.forward(0, q, k, v, cache, meta))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

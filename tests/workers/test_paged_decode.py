@@ -57,3 +57,43 @@ def test_kernel_matches_softmax_reference(hq, hkv, d, bs, window, cap) -> None:
     assert rc == 0
     want = _reference(q, k, v, tables, lens, bs, scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def _run(lib, q, k, v, tables, lens, bs, scale, window, cap) -> torch.Tensor:
+    b, hq, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    rc = lib.paged_decode_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tables.contiguous().data_ptr(),
+        lens.data_ptr(), b, tables.shape[1], hq, k.shape[2], d, bs, scale, window, cap, 2,
+    )
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 4, 48), (2, 1, 64)])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (0, 3.0), (12, 0.0)])
+def test_prompt_rows_in_tiles_give_each_rows_own_bits(hq, hkv, d, window, cap) -> None:
+    """A prompt chunk's rows (one stream's consecutive positions over one block table, as
+    the 8-bit path attends them) go through in tiles; every row gives the bits it gives
+    alone, and the softmax reference's values. Two streams' chunks and a decode row mixed."""
+    lib = require_kernel("paged_decode", load_paged_decode())
+    g = torch.Generator().manual_seed(hq + d)
+    bs = 16
+    nb = 24
+    k = torch.randn(nb, bs, hkv, d, generator=g) * 2
+    v = torch.randn(nb, bs, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    table_a, table_b = perm[:8], perm[8:16]
+    # stream a: positions 20..38 (19 rows: tiles of 8, 8, 3); a decode row of b; b: 1..12
+    lens_l = [*range(21, 40), 70, *range(1, 13)]
+    tabs = [table_a] * 19 + [table_b] * 13
+    tables = torch.stack(tabs)
+    lens = torch.tensor(lens_l, dtype=torch.int32)
+    q = torch.randn(len(lens_l), hq, d, generator=g)
+    scale = 0.3 if cap else d**-0.5
+    out = _run(lib, q, k, v, tables, lens, bs, scale, window, cap)
+    for i in range(len(lens_l)):
+        alone = _run(lib, q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], bs, scale, window, cap)
+        assert torch.equal(out[i], alone[0]), i
+    want = _reference(q, k, v, tables, lens, bs, scale, window, cap)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
