@@ -229,6 +229,14 @@ def test_int8_prompt_rows_do_not_depend_on_the_chunk(lib, smol, family_models, a
             assert torch.equal(a, b)
 
 
+def test_prompt_rows_one_by_one_only_with_8_bit_matmuls(lib, smol) -> None:
+    """Prompt rows attend through the C kernel where the 8-bit matmuls run (the default on
+    GGUF blocks); float32 activations or dequantized weights keep SDPA for prompt chunks."""
+    assert _runner(smol, True, cpu_matmul="int8").attn.prefill_rows
+    assert not _runner(smol, True, cpu_matmul="exact").attn.prefill_rows
+    assert not _runner(smol, False, quantized_decode=False).attn.prefill_rows
+
+
 def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
     """Q4_K / Q6_K weights (hidden 256: whole super-blocks) keep their raw rows, dequantize
     as gguf does, and decode in the one-call step close to the float32 weights."""

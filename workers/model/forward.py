@@ -85,8 +85,11 @@ class StepForward:
         device block tables (read from `tables`) and the captured graphs."""
         on_cuda = self.device.type == "cuda"
         self.tables = DeviceTables(tables, self.device) if on_cuda else None
+        # with 8-bit matmuls on the GGUF blocks, prompt rows attend one by one (a row's bits
+        # then do not depend on its chunk; TorchAttention); float weights gain nothing from it
+        step = getattr(self.model, "cpu_step", None)
         self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype,
-                                   prefill_rows=config.cpu_matmul == "int8")
+                                   prefill_rows=step is not None and not step.exact)
         self.attn.configure(self.model.attention_layers)
         log.info("attention backend: %s", self.attn.name)
         use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
