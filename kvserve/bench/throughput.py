@@ -46,6 +46,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="device KV pool in tokens (default: the whole workload's, so no preemption)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="int8",
+                   help="CPU on GGUF blocks: 8-bit activations (int8, the engine's default) or "
+                        "float32 ones (exact: transformers' greedy tokens)")
     add_async_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -115,6 +118,7 @@ def run_kvserve(
         model=args.model, num_threads=threads, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=kv_tokens,
         enforce_eager=args.enforce_eager, async_scheduling=async_value(args.async_scheduling),
+        cpu_matmul=args.cpu_matmul,
     ))
     load_s = time.perf_counter() - t0
     vocab = engine.model_config.vocab_size
@@ -185,7 +189,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "benchmark": "throughput",
         "workload": {"num_seqs": args.num_seqs, "input_len": args.input_len,
                      "output_len": args.output_len, "seed": args.seed,
-                     "model": args.model or "default", "gflop": gflop},
+                     "model": args.model or "default", "gflop": gflop,
+                     "cpu_matmul": args.cpu_matmul},
         "machine": machine_info(threads),
         "kvserve": kv,
         "baselines": {},

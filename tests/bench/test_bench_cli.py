@@ -57,7 +57,8 @@ def test_identical_counts_sequences_and_common_prefixes() -> None:
 def test_bench_throughput_against_hf_continuous(tmp_path, capsys, keep_torch_threads) -> None:
     out = tmp_path / "tp.json"
     argv = ["bench", "throughput", "--num-seqs", "3", "--input-len", "8:20", "--output-len", "3:9",
-            "--baseline", "hf", "--threads", "1", "--no-progress", "--json", str(out)]
+            "--baseline", "hf", "--threads", "1", "--no-progress", "--json", str(out),
+            "--cpu-matmul", "exact"]  # float32 activations: transformers' greedy tokens
     assert main(argv) == 0
     report = json.loads(out.read_text())
     kv, hf = report["kvserve"], report["baselines"]["hf_continuous"]
