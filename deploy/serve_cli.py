@@ -605,8 +605,8 @@ def add_serve_parser(sub: Any) -> None:
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
     e.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
-                   help="CPU workers on GGUF blocks: float32 activations (exact, the default) "
-                        "or 8-bit ones with integer dot products (int8, llama.cpp's scheme)")
+                   help="CPU workers on GGUF blocks: 8-bit activations with integer dot products "
+                        "(int8, llama.cpp's scheme; the default) or float32 ones (exact)")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's names: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (also "

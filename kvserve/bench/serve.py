@@ -129,8 +129,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="weights and KV (auto: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
-                   help="CPU engines on GGUF blocks: float32 activations (exact, the engine's "
-                        "default) or 8-bit ones (int8)")
+                   help="CPU engines on GGUF blocks: 8-bit activations (int8, the engine's "
+                        "default) or float32 ones (exact)")
     g.add_argument("--gpus-per-worker", type=float, default=None,
                    help="self-started service: each worker's GPU share, in [0, 1] (0.5: two "
                         "workers on one GPU); default on cuda: 1 while there is a GPU per "
