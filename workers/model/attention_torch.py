@@ -165,7 +165,7 @@ class TorchAttention:
         qlens, ctxs = inp.query_lens, inp.context_lens
         dec = qlens == 1
         verify = inp.verify
-        if self.prefill_rows:
+        if self.prefill_rows and not dec.all():  # decode-only steps keep the plain plan
             verify = np.ones(len(qlens), dtype=bool)
         if verify is not None:
             # a stream verifying proposals: each of its query rows attends as a decode row
