@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/benchmarks.md ("GPU (H100)") and the CUDA tests, in one run.
+# The GPU figures of docs/benchmarks.md ("GPU (H100, H200)") and the CUDA tests, in one run.
 # Run from the repository root on a CUDA host where kvserve is installed (or from its checkout):
 #   GPU_SHARED=../shared/gpu bash scripts/gpu/run.sh [tests] [figures] [diag] [engine]
 # GPU_SHARED holds make_models.py (random-weight models with SmolLM2's tokenizer) and
@@ -16,7 +16,7 @@
 #   the call: run(command="GPU_SHARED=.gpu bash scripts/gpu/run.sh quick",
 #                 carry=[".whl/quick", ".gpu"], timeout_s=540)
 #   then: the figures of summary.txt, with the device and date it names, into docs/benchmarks.md
-#   ("GPU (H100)"); quick.log holds every part's output.
+#   ("GPU (H100, H200)"); quick.log holds every part's output.
 #
 # Engine (step `engine`, under a device call's 10 minutes): where the time goes in the
 # pressure run and LLM.generate (scripts/gpu/profile_engine.py: torch.profiler and host

@@ -104,16 +104,48 @@ def busy(stream: torch.cuda.Stream | None = None, ms: float = 200) -> None:
         torch.cuda._sleep(int(ms * 1e6))  # about a nanosecond per cycle at ~1-2 GHz
 
 
+class Held:
+    """Holds a stream on the device until release(): cuStreamWaitValue32 on a pinned host word
+    that release() sets, so what is queued behind it cannot have run, however fast the host or
+    the GPU. A watchdog releases it after `limit_s`, so a host-side wait under test fails the
+    test's assertions instead of hanging it."""
+
+    def __init__(self, stream: torch.cuda.Stream, limit_s: float = 20.0) -> None:
+        import ctypes
+        import threading
+
+        cu = ctypes.CDLL("libcuda.so.1")
+        wait = getattr(cu, "cuStreamWaitValue32_v2", None) or cu.cuStreamWaitValue32
+        wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        # CU_STREAM_WAIT_VALUE_GEQ (0); under unified addressing a pinned host address is
+        # also its device address
+        rc = wait(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(self.word.data_ptr()), 1, 0)
+        assert rc == 0, f"cuStreamWaitValue32 failed with CUresult {rc}"
+        self.timer = threading.Timer(limit_s, self.release)
+        self.timer.start()
+
+    def release(self) -> None:
+        self.word[0] = 1
+        self.timer.cancel()
+
+
 @cuda
 def test_cuda_write_back_waits_for_the_compute_stream_without_the_host():
     dev, host = pools("cuda")
     assert host.kv.is_pinned()
     host.copier.to_host_async(DEV_IDS, HOST_IDS).wait()  # buffers and pinned indices exist
-    busy()
-    dev[:, :, DEV_IDS] = 7.0  # written on the compute stream after the spin
-    t = host.copier.to_host_async(DEV_IDS, HOST_IDS)
-    # the host queued the copy and went on: the spin (and the copy behind it) still runs
-    assert not torch.cuda.current_stream().query() and not t.done()
+    idx = torch.tensor(DEV_IDS, device="cuda")  # before the hold: a host-to-device copy waits
+    torch.cuda.synchronize()
+    held = Held(torch.cuda.current_stream())
+    try:
+        dev.index_fill_(2, idx, 7.0)  # written on the compute stream once it is released
+        t = host.copier.to_host_async(DEV_IDS, HOST_IDS)
+        # the host queued the copy and went on: the compute stream (and the copy behind it)
+        # is still held
+        assert not torch.cuda.current_stream().query() and not t.done()
+    finally:
+        held.release()
     t.wait()
     assert all(bool((host.kv[h] == 7.0).all()) for h in HOST_IDS)
     host.close()

@@ -69,10 +69,10 @@ def _ref(lib, qw: QuantizedWeight, x: torch.Tensor, interleaved: bool) -> torch.
     return out
 
 
-def _case(qtype: str, m: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor, np.ndarray]:
-    rng = np.random.default_rng([*qtype.encode(), m, seed])
+def _case(qtype: str, m: int, seed: int = 0, k: int | None = None) -> tuple[QuantizedWeight, torch.Tensor, np.ndarray]:
+    rng = np.random.default_rng([*qtype.encode(), m, seed, k or 0])
     n = 37  # odd: the threads' shares differ
-    k = 512 if QTYPES[qtype][1] == 256 else 160  # two super-blocks, or 5 blocks (not 8s)
+    k = k or (512 if QTYPES[qtype][1] == 256 else 160)  # two super-blocks, or 5 blocks (not 8s)
     raw = random_blocks(qtype, n, k, rng)
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     x[:, 7] *= 40  # an outlier channel, as real activations have
@@ -110,6 +110,27 @@ def test_a_row_does_not_depend_on_its_batch(lib, qtype: str) -> None:
     # a strided view (a slice of a fused output) reads the same rows
     wide = torch.cat([x, torch.randn(17, 32)], dim=1)[:, : x.shape[1]]
     assert torch.equal(qlinear_int8(wide, qw, lib), qlinear_int8(x, qw, lib))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_row_tails_sharing_a_chunk_give_each_row_its_own_bits(lib, qtype: str) -> None:
+    """With nb % 8 = t blocks left per weight row, 8 // t rows' tails go in one chunk (row
+    counts that do not divide the threads' shares included): the scalar reference's bits for
+    every row, on this host's build and the VNNI build's code; K = 576 is the default model's."""
+    builds = [lib]
+    if lib.qgemm_simd_level() == 1:
+        builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
+    for t in (1, 2, 3, 4, 6, 7):
+        for m in (1, 2, 6):
+            qw, x, raw = _case(qtype, m, seed=4, k=32 * (8 + t))
+            want = _ref(lib, qw, x, interleaved=False)
+            w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
+            xq = q8_rows(x.numpy()).astype(np.float64)
+            assert (np.abs(want.numpy() - xq @ w.T) <= 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6).all()
+            for b in builds:
+                assert torch.equal(qlinear_int8(x, qw, b), want), (t, m)
+    qw, x, _ = _case(qtype, 1, seed=5, k=576)
+    assert torch.equal(qlinear_int8(x, qw, lib), _ref(lib, qw, x, interleaved=False))
 
 
 def test_this_host_takes_the_simd_path(lib) -> None:

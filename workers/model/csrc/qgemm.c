@@ -514,24 +514,57 @@ static inline __m256i qg_reduce8(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+#if !defined(QG_VNNI) && !defined(QG_MADD_REDUCE)
+// 4-bit weights (Q4_0, Q4_1, Q4_K) without VNNI: the 8 blocks' raw maddubs outputs (16 int16
+// lanes each) -> one vector of their 8 int32 totals (lane j: block j). Three rounds of 16-bit
+// hadds sum each 128-bit half's 8 lanes (|sum| <= 8 x 2 x 15 x 127 < 2^15, exact), so the
+// multiply port does one maddubs per block and row instead of maddubs + madd.
+static inline __m256i qg_reduce8_16(const __m256i v[8]) {
+    const __m256i t0 = _mm256_hadd_epi16(v[0], v[1]), t1 = _mm256_hadd_epi16(v[2], v[3]);
+    const __m256i t2 = _mm256_hadd_epi16(v[4], v[5]), t3 = _mm256_hadd_epi16(v[6], v[7]);
+    const __m256i w = _mm256_hadd_epi16(_mm256_hadd_epi16(t0, t1), _mm256_hadd_epi16(t2, t3));
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w, 1)));
+}
+#endif
+
 enum { QG_SMALL_MAX = QG_INTER_MIN - 1 };
 
-// A K-quant super-block's 8 slices of 32 weights and their scalars, as qg_scalars and
-// qg_wvec give them one at a time.
+// A chunk's scalars, one lane per 32-weight slice: v = idot * ws * d_x + coef * s_x (Q6_K:
+// + c0 * s0_x + c1 * s1_x, sc the slices' two 16-weight scales). Built in registers: scalars
+// stored to an array and read back as a vector stall on store forwarding, which cost more
+// than the slices' integer dots.
+typedef struct {
+    __m256 ws, coef, c0, c1;
+} qg_scal8;
+
+// The f16 words at p, p + bs, ..., p + 7 bs as floats; lanes from nbk on are zero.
+static inline __attribute__((always_inline)) __m256 qg_half8(const uint8_t *p, int64_t bs, int nbk) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; ++j) h[j] = j < nbk ? qg_rd16(p + j * bs) : 0;
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3],
+                                          (short)h[4], (short)h[5], (short)h[6], (short)h[7]));
+}
+
+// A K-quant super-block's 8 slices of 32 weights and their scalars.
 static inline __attribute__((always_inline)) void qg_super(int qtype, const uint8_t *blk, __m256i u[8],
-                                                           float ws[8], float coef[8], float c0[8],
-                                                           float c1[8], int16_t sc16[8][2]) {
+                                                           qg_scal8 *sv, int16_t sc16[8][2]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (qtype == QG_Q4_K) {
         const float d = qg_half(qg_rd16(blk)), dmin = qg_half(qg_rd16(blk + 2));
-        for (int j = 0; j < 8; ++j) {
-            uint8_t sc, mn;
-            qg_k4_scale_min(j, blk + 4, &sc, &mn);
-            ws[j] = d * (float)sc;
-            coef[j] = -(dmin * (float)mn);
-            c0[j] = c1[j] = 0.f;
-            sc16[j][0] = sc16[j][1] = 0;
-        }
+        // the 6-bit scales and mins of the 8 slices (qg_k4_scale_min), 4 bytes at a time
+        uint32_t A, B, C;
+        memcpy(&A, blk + 4, 4);
+        memcpy(&B, blk + 8, 4);
+        memcpy(&C, blk + 12, 4);
+        const uint32_t sc_lo = A & 0x3F3F3F3Fu, mn_lo = B & 0x3F3F3F3Fu;
+        const uint32_t sc_hi = (C & 0x0F0F0F0Fu) | (((A >> 6) & 0x03030303u) << 4);
+        const uint32_t mn_hi = ((C >> 4) & 0x0F0F0F0Fu) | (((B >> 6) & 0x03030303u) << 4);
+        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
+        const __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0)));
+        sv->ws = _mm256_mul_ps(_mm256_set1_ps(d), scf);
+        sv->coef = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mnf), _mm256_set1_ps(-0.f));
+        sv->c0 = sv->c1 = _mm256_setzero_ps();
         for (int c = 0; c < 4; ++c) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
             u[2 * c] = _mm256_and_si256(raw, m4);
@@ -542,13 +575,17 @@ static inline __attribute__((always_inline)) void qg_super(int qtype, const uint
     const int8_t *scales = (const int8_t *)(blk + 192);
     const float d = qg_half(qg_rd16(blk + 208));
     for (int j = 0; j < 8; ++j) {
-        ws[j] = d;
-        coef[j] = 0.f;
         sc16[j][0] = scales[2 * j];
         sc16[j][1] = scales[2 * j + 1];
-        c0[j] = -32.f * d * (float)scales[2 * j];
-        c1[j] = -32.f * d * (float)scales[2 * j + 1];
     }
+    // even scales (first 16 weights of each slice) to bytes 0-7, odd ones to 8-15
+    const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)scales),
+                                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256 m32d = _mm256_set1_ps(-32.f * d);
+    sv->ws = _mm256_set1_ps(d);
+    sv->coef = _mm256_setzero_ps();
+    sv->c0 = _mm256_mul_ps(m32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    sv->c1 = _mm256_mul_ps(m32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
     const __m256i m2 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
@@ -562,49 +599,147 @@ static inline __attribute__((always_inline)) void qg_super(int qtype, const uint
     }
 }
 
+// The integer totals of 8 blocks (lane j: u[j] against the 32 activations at xp[j]).
+static inline __attribute__((always_inline)) __m256i qg_tot8(int qtype, const __m256i u[8], const __m256i sg[8],
+                                                            const __m256i scv[8], const int8_t *const xp[8]) {
+    __m256i id[8];
+#if !defined(QG_VNNI) && !defined(QG_MADD_REDUCE)  // QG_MADD_REDUCE: benchmarks' baseline
+    if (qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q4_K) {
+        for (int j = 0; j < 8; ++j) id[j] = _mm256_maddubs_epi16(u[j], _mm256_loadu_si256((const __m256i *)xp[j]));
+        return qg_reduce8_16(id);
+    }
+#endif
+    for (int j = 0; j < 8; ++j) id[j] = qg_idot_row(qtype, scv[j], u[j], sg[j], xp[j]);
+    return qg_reduce8(id);
+}
+
 // Up to 8 blocks [b0, b0 + nbk) of one weight row against MR rows: the lanes of each row's
 // vector of block values are blocks b0 + j, added into its partial sums P_j.
 static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, const uint8_t *row,
                                                                  const qg_act *a, int MR,
                                                                  int64_t b0, int nbk, __m256 *part) {
     __m256i u[8], sg[8];
-    float ws[8], coef[8], c0[8], c1[8];
-    int16_t sc16[8][2];
-    qg_wblk wb;
+    int16_t sc16[8][2] = {{0}};
+    qg_scal8 sv;
     if (qtype == QG_Q4_K || qtype == QG_Q6_K) {  // a whole super-block: its header once
-        qg_super(qtype, row + (b0 / 8) * (qtype == QG_Q4_K ? 144 : 210), u, ws, coef, c0, c1, sc16);
+        qg_super(qtype, row + (b0 / 8) * (qtype == QG_Q4_K ? 144 : 210), u, &sv, sc16);
         nbk = 8;
-    }
-    for (int j = 0; j < 8 && !(qtype == QG_Q4_K || qtype == QG_Q6_K); ++j) {
-        if (j >= nbk) {  // past the row's end: zero weights and scales give v = 0
-            u[j] = sg[j] = _mm256_setzero_si256();
-            ws[j] = coef[j] = c0[j] = c1[j] = 0.f;
-            sc16[j][0] = sc16[j][1] = 0;
-            continue;
+        for (int j = 0; j < 8; ++j) sg[j] = _mm256_setzero_si256();
+    } else {  // Q4_0, Q4_1, Q8_0: past the row's end, zero weights and scales give v = 0
+        const int64_t bs = qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34;
+        sv.ws = qg_half8(row + b0 * bs, bs, nbk);
+        sv.coef = qtype == QG_Q4_1   ? qg_half8(row + b0 * bs + 2, bs, nbk)
+                  : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), sv.ws)
+                                     : _mm256_setzero_ps();
+        sv.c0 = sv.c1 = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j) {
+            sg[j] = _mm256_setzero_si256();
+            u[j] = j < nbk ? qg_wvec(qtype, row, b0 + j, &sg[j]) : _mm256_setzero_si256();
         }
-        qg_scalars(qtype, row, b0 + j, &wb);
-        sg[j] = _mm256_setzero_si256();
-        u[j] = qg_wvec(qtype, row, b0 + j, &sg[j]);
-        ws[j] = wb.ws;
-        coef[j] = wb.coef;
-        c0[j] = wb.coef16[0];
-        c1[j] = wb.coef16[1];
-        sc16[j][0] = wb.sc16[0];
-        sc16[j][1] = wb.sc16[1];
     }
-    const __m256 wsv = _mm256_loadu_ps(ws), coefv = _mm256_loadu_ps(coef);
-    const __m256 c0v = _mm256_loadu_ps(c0), c1v = _mm256_loadu_ps(c1);
+    const __m256 wsv = sv.ws, coefv = sv.coef, c0v = sv.c0, c1v = sv.c1;
     __m256i scv[8];
     for (int j = 0; j < 8; ++j) scv[j] = qtype == QG_Q6_K ? qg_q6_scales(sc16[j]) : _mm256_setzero_si256();
     for (int m = 0; m < MR; ++m) {
-        __m256i id[8];
-        const int8_t *xm = a->q + m * a->K + b0 * QG_QK;
-        for (int j = 0; j < 8; ++j)
-            id[j] = j < nbk ? qg_idot_row(qtype, scv[j], u[j], sg[j], xm + j * QG_QK) : _mm256_setzero_si256();
+        const int8_t *xm = a->q + m * a->K + b0 * QG_QK, *xp[8];
+        for (int j = 0; j < 8; ++j) xp[j] = xm + j * QG_QK;  // past the row's end u is zero
         // the activation scalars of blocks past the end read zeros (+ 8 floats of room)
-        const __m256 v = qg_bval8(qtype, qg_reduce8(id), wsv, coefv, c0v, c1v, a, m * a->nb + b0);
+        const __m256 v = qg_bval8(qtype, qg_tot8(qtype, u, sg, scv, xp), wsv, coefv, c0v, c1v, a, m * a->nb + b0);
         part[m] = _mm256_add_ps(part[m], v);
     }
+}
+
+// The last t (= nb % 8) blocks of r <= 8 / t consecutive weight rows in one chunk: lane
+// k t + i holds block nb - t + i of row n + k (Q4_0, Q4_1, Q8_0; K-quant rows are whole
+// super-blocks). Each lane computes what the row's own tail chunk would, and row k's lanes
+// move to lanes 0..t-1 of its partial sums (the others add +0, as past a row's end), so
+// the sums are the same bits; a tail no longer costs a whole chunk per row (K = 576: 2 of
+// 18 blocks in a third chunk).
+typedef struct {
+    int t, bi[8];      // blocks per tail; lane -> block within the tail
+    __m256i gather;    // bi as a vector: the lanes' activation scalars
+    __m256i to[8];     // row k's lanes to lanes 0..t-1
+    __m256 mask;       // lanes 0..t-1
+} qg_tailplan;
+
+// Once per call: vectors from scalar stores would stall store forwarding in every chunk.
+static void qg_tailplan_init(qg_tailplan *p, int t) {
+    int keep[8], ix[8];
+    p->t = t;
+    for (int L = 0; L < 8; ++L) {
+        p->bi[L] = L / t < 8 / t ? L % t : 0;
+        keep[L] = L < t ? -1 : 0;
+    }
+    p->gather = _mm256_loadu_si256((const __m256i *)p->bi);
+    p->mask = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)keep));
+    for (int k = 0; k < 8 / t; ++k) {
+        for (int j = 0; j < 8; ++j) ix[j] = j < t ? k * t + j : 0;
+        p->to[k] = _mm256_loadu_si256((const __m256i *)ix);
+    }
+}
+
+static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const uint8_t *w, int64_t n,
+                                                                int r, const qg_tailplan *pl,
+                                                                int64_t row_bytes, const qg_act *a, int MR,
+                                                                __m256 part[][QG_SMALL_MAX]) {
+    const int t = pl->t;
+    const int64_t bt = a->nb - t, bs = qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34;
+    __m256i u[8], sg[8], scv[8];
+    uint16_t hd[8], hm[8];
+    for (int L = 0; L < 8; ++L) {
+        sg[L] = scv[L] = _mm256_setzero_si256();
+        const int k = L / t, i = L % t;
+        if (k >= r) {
+            u[L] = _mm256_setzero_si256();
+            hd[L] = hm[L] = 0;
+            continue;
+        }
+        const uint8_t *row = w + (n + k) * row_bytes;
+        hd[L] = qg_rd16(row + (bt + i) * bs);
+        hm[L] = qtype == QG_Q4_1 ? qg_rd16(row + (bt + i) * bs + 2) : 0;
+        u[L] = qg_wvec(qtype, row, bt + i, &sg[L]);
+    }
+    const __m256 ws = _mm256_cvtph_ps(_mm_setr_epi16((short)hd[0], (short)hd[1], (short)hd[2], (short)hd[3],
+                                                     (short)hd[4], (short)hd[5], (short)hd[6], (short)hd[7]));
+    const __m256 coef = qtype == QG_Q4_1
+                            ? _mm256_cvtph_ps(_mm_setr_epi16((short)hm[0], (short)hm[1], (short)hm[2], (short)hm[3],
+                                                             (short)hm[4], (short)hm[5], (short)hm[6], (short)hm[7]))
+                        : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
+                                           : _mm256_setzero_ps();
+    const __m256i gather = pl->gather;
+    const __m256 mask = pl->mask;
+    for (int m = 0; m < MR; ++m) {
+        const int8_t *xm = a->q + m * a->K + bt * QG_QK, *xp[8];
+        for (int L = 0; L < 8; ++L) xp[L] = xm + pl->bi[L] * QG_QK;
+        const int64_t f = m * a->nb + bt;  // + 8 floats of room past the last row
+        const __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(a->d + f), gather);
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(qg_tot8(qtype, u, sg, scv, xp)), _mm256_mul_ps(ws, d));
+        if (qtype != QG_Q8_0)  // as qg_bval8
+            v = _mm256_fmadd_ps(coef, _mm256_permutevar8x32_ps(_mm256_loadu_ps(a->s + f), gather), v);
+        for (int k = 0; k < r; ++k)
+            part[k][m] = _mm256_add_ps(part[k][m], _mm256_and_ps(_mm256_permutevar8x32_ps(v, pl->to[k]), mask));
+    }
+}
+
+// Weight rows n .. n + r - 1 against MR rows, their tails of t blocks in one chunk.
+static inline __attribute__((always_inline)) void qg_rows_small_tail(int qtype, const uint8_t *w, int64_t n,
+                                                                     int r, const qg_tailplan *pl,
+                                                                     int64_t row_bytes,
+                                                                     const qg_act *a, float *out,
+                                                                     int64_t ldo, int MR) {
+    __m256 part[8][QG_SMALL_MAX];
+    for (int k = 0; k < r; ++k) {
+        for (int m = 0; m < MR; ++m) part[k][m] = _mm256_setzero_ps();
+        for (int64_t b0 = 0; b0 + 8 <= a->nb; b0 += 8)
+            qg_small_chunk(qtype, w + (n + k) * row_bytes, a, MR, b0, 8, part[k]);
+    }
+    qg_tail_chunk(qtype, w, n, r, pl, row_bytes, a, MR, part);
+    for (int k = 0; k < r; ++k)
+        for (int m = 0; m < MR; ++m) {
+            float p[8] __attribute__((aligned(32)));
+            _mm256_store_ps(p, part[k][m]);
+            out[m * ldo + n + k] = qg_tree8(p);
+        }
 }
 
 static inline __attribute__((always_inline)) void qg_row_small(int qtype, const uint8_t *row,
@@ -625,6 +760,17 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
 static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype, const uint8_t *w,
                                                                  int64_t n0, int64_t n1, int64_t row_bytes,
                                                                  const qg_act *a, float *out, int64_t ldo) {
+    const int t = (int)(a->nb % 8);
+    if (!a->inter && t && (qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0)) {
+        qg_tailplan pl;
+        qg_tailplan_init(&pl, t);
+        for (int64_t n = n0; n < n1; n += 8 / t) {
+            const int r = (int)(n1 - n < 8 / t ? n1 - n : 8 / t);
+            if (a->M == 1) qg_rows_small_tail(qtype, w, n, r, &pl, row_bytes, a, out, ldo, 1);
+            else qg_rows_small_tail(qtype, w, n, r, &pl, row_bytes, a, out, ldo, (int)a->M);
+        }
+        return;
+    }
     if (!a->inter) {
         for (int64_t n = n0; n < n1; ++n) {
             const uint8_t *row = w + n * row_bytes;
