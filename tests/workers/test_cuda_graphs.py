@@ -18,7 +18,13 @@ from tiny_models import tiny_model_path  # noqa: E402
 
 from kvserve import LLM  # noqa: E402
 from kvserve.kvcache.manager import StreamStep  # noqa: E402
-from kvserve.workers.model.cuda_graphs import GraphKey, StepGraphs, buckets_for, mixed_keys  # noqa: E402
+from kvserve.workers.model.cuda_graphs import (  # noqa: E402
+    GraphKey,
+    StepGraphs,
+    buckets_for,
+    mixed_keys,
+    verify_keys,
+)
 from kvserve.workers.model.step_inputs import build_step  # noqa: E402
 
 
@@ -124,3 +130,51 @@ def test_padded_mixed_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
     changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
     assert changed.tolist() in ([], [scratch])
     runner.kv.commit(plan)
+
+
+def test_verify_buckets() -> None:
+    keys = verify_keys(20)
+    assert [(k.tokens, k.logits_rows) for k in keys] == [(8, 8), (16, 16), (32, 32)]
+    assert verify_keys(10_000)[-1].tokens == 512
+    # any verify step of <= T tokens fits: its streams' 16-token tiles and its logits rows
+    for key in verify_keys(512):
+        assert key.tiles == key.tokens and key.kind == "verify"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this with real graphs")
+def test_padded_verify_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
+    """A step verifying proposals (two streams with 3 and 1 proposals beside a plain decode
+    stream) runs as its verify bucket: the eager step's logits for every proposed position and
+    the one before, padding only in the scratch block."""
+    llm = LLM(tiny_model_path(tmp_path_factory), attention_backend="triton", block_size=4,
+              kv_cache_tokens=256)
+    runner = llm.engine.runner
+    toks = {s: [400 + 11 * i + j for j in range(n)] for i, (s, n) in enumerate([("a", 5), ("b", 7), ("c", 3)])}
+    runner.execute([StreamStep(s, t, len(t)) for s, t in toks.items()])
+    for t in toks.values():
+        t.append(9)
+    drafts = {"a": [21, 22, 23], "b": [31], "c": []}
+    steps = [StreamStep(s, t, len(t) + len(drafts[s]), draft=drafts[s]) for s, t in toks.items()]
+    plan = runner.kv.reserve(steps)
+    eager = runner._forward(plan)
+    graphs = _graphs(runner, max_tokens=64)
+    assert graphs.verify == []  # none without a verify budget
+    graphs = StepGraphs(graphs.model, graphs.cache, graphs.attn, max_batch=8, tables=graphs.tables,
+                        scratch_block=runner.kv.num_blocks - 1, max_tokens=64,
+                        extra=graphs.inputs.numel() - graphs.static, verify_tokens=8 * 5)
+    step = build_step(plan, 4, runner.max_model_len)
+    assert step.sample_rows is not None and len(step.sample_rows) == 4 + 2 + 1
+    key = graphs.key_for(step)
+    assert key == GraphKey(8, 8, 16, rows=8)  # 7 tokens, 7 logits rows
+    before = runner.cache.kv.clone()
+    graphs.stage(key, step, [])
+    padded = graphs.run(step, key)
+    assert padded.shape == eager.shape == (7, eager.shape[1])
+    torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+    v = graphs.views(key)
+    assert v["last"].tolist() == [*step.sample_rows.tolist(), 0]
+    scratch = runner.kv.num_blocks - 1
+    assert v["slots"][7:].tolist() == [scratch * 4]
+    changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
+    assert changed.tolist() in ([], [scratch])
+    runner.kv.rollback(plan)

@@ -106,6 +106,40 @@ def test_cuda_graph_decode_equals_eager(model_path, dtype, mixed) -> None:
     assert outs[0] == outs[1]
 
 
+def test_verify_steps_replay_graphs_with_the_eager_tokens(model_path) -> None:
+    """n-gram speculation on prompts that repeat themselves, every proposal verified: the
+    verify steps replay their buckets' graphs and give the eager engine's tokens (float32),
+    which are plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [p * 3 for p in _prompts()[:6]]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    outs = []
+    for eager, speculate in ((True, False), (True, True), (False, True)):
+        llm = LLM(model_path, device="cuda", dtype="float32", kv_cache_tokens=8192,
+                  enforce_eager=eager, async_scheduling=False,
+                  speculative_config=spec if speculate else None)
+        kinds: list[str] = []
+        graphs = llm.engine.runner.graphs
+        if graphs is not None:
+            assert graphs.verify  # speculation configured: verify buckets captured
+            run = graphs.run
+
+            def counted(step, key, run=run, kinds=kinds):
+                kinds.append(key.kind)
+                return run(step, key)
+
+            graphs.run = counted
+        if speculate:
+            llm.engine.spec.policy.always = True
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        if speculate:
+            assert llm.engine.spec.stats()["spec_draft_tokens"] > 0
+        if not eager:
+            assert "verify" in kinds
+        assert llm.engine.kv.pool.num_used == 0
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_async_scheduling_equals_sync(model_path) -> None:
     """float32 with decode and mixed graphs: each step launched before the last one's ids
     reach the host (those stay on the device as its inputs) gives the synchronous engine's

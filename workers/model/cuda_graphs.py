@@ -1,11 +1,14 @@
 """Steps replayed from CUDA graphs: decode steps by batch size, steps that carry prompt
-tokens by (token count, stream count).
+tokens by (token count, stream count), steps that verify speculative proposals by token count.
 
 A decode-only step of B streams runs as the graph of the smallest decode bucket >= B. A
 step with prompt tokens (chunked prefill, a restored or recomputed stream, a new arrival
 beside running streams) of T tokens over S streams runs as the graph of the smallest
 mixed bucket (T', S') with T' >= T and S' >= S; its attention is the one-launch Triton
-kernel with 16-token tiles, as eagerly. Steps larger than every bucket run eagerly.
+kernel with 16-token tiles, as eagerly. A step verifying proposals (logits for each
+proposed position and the one before, more rows than streams) of T tokens runs as the graph
+of the smallest verify bucket >= T, whose logits rows are as many as its tokens. Steps
+larger than every bucket run eagerly.
 
 Inputs go into one static buffer, laid out per bucket as tiles (stream row, first query
 row, tokens, position), token ids, positions, cache slots and logits rows. The rows past
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode: streams
 MIXED_TOKENS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # about 1.5x apart
 MIXED_STREAMS = (4, 16, 64, 256)
+VERIFY_TOKENS = (8, 16, 32, 64, 128, 256, 512)  # verify steps: tokens, each a logits row
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -70,6 +74,11 @@ class GraphKey:
     tokens: int
     streams: int
     block_q: int  # 1: decode tiles; PREFILL_TILE: a step with prompt tokens
+    rows: int = 0  # logits rows (0: one per stream; a verify bucket: one per token)
+
+    @property
+    def logits_rows(self) -> int:
+        return self.rows or self.streams
 
     @property
     def tiles(self) -> int:
@@ -81,7 +90,11 @@ class GraphKey:
 
     @property
     def size(self) -> int:
-        return 4 * self.tiles + 3 * self.tokens + self.streams
+        return 4 * self.tiles + 3 * self.tokens + self.logits_rows
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.block_q == 1 else "verify" if self.rows else "mixed"
 
 
 def mixed_keys(max_tokens: int, max_streams: int) -> list[GraphKey]:
@@ -94,21 +107,29 @@ def mixed_keys(max_tokens: int, max_streams: int) -> list[GraphKey]:
     return sorted(set(keys), key=lambda k: (k.tokens, k.streams))
 
 
+def verify_keys(max_tokens: int) -> list[GraphKey]:
+    """Verify buckets: token counts up to the first that holds `max_tokens` (at most 512),
+    each as many streams (tiles) and logits rows as tokens, so any verify step fits."""
+    return [GraphKey(t, t, PREFILL_TILE, rows=t) for t in _upto(VERIFY_TOKENS, max_tokens)]
+
+
 class StepGraphs:
     def __init__(self, model: DecoderModel, cache: DeviceKVCache, attn: AttentionBackend,
                  max_batch: int, tables: torch.Tensor, scratch_block: int,
-                 max_tokens: int = 0, extra: int = 0) -> None:
+                 max_tokens: int = 0, extra: int = 0, verify_tokens: int = 0) -> None:
         """`tables`: the device mirror of the persistent block tables the graphs read;
         `max_tokens`: the step token budget (0: decode graphs only); `extra`: room for a
-        step's table changes and device token ids after its inputs."""
+        step's table changes and device token ids after its inputs; `verify_tokens`: the
+        most tokens of a step verifying proposals (0: no verify graphs)."""
         self.model, self.cache, self.attn = model, cache, attn
         self.device = cache.kv.device
         self.buckets = buckets_for(max_batch)
         self.decode = {b: GraphKey(b, b, 1) for b in self.buckets}
         self.mixed = mixed_keys(max_tokens, max_batch) if max_tokens > 0 else []
+        self.verify = verify_keys(verify_tokens) if verify_tokens > 0 else []
         self.tables = tables
         self.scratch_slot = scratch_block * cache.block_size
-        keys = [*self.decode.values(), *self.mixed]
+        keys = [*self.decode.values(), *self.mixed, *self.verify]
         self.static = max(k.size for k in keys)
         size = self.static + extra
         dev, i64, pin = self.device, torch.int64, self.device.type == "cuda"
@@ -123,7 +144,7 @@ class StepGraphs:
 
     @property
     def keys(self) -> list[GraphKey]:
-        return [*self.decode.values(), *self.mixed]
+        return [*self.decode.values(), *self.mixed, *self.verify]
 
     def views(self, key: GraphKey) -> dict[str, torch.Tensor]:
         """The bucket's static inputs: views of the one input buffer."""
@@ -136,6 +157,12 @@ class StepGraphs:
         """The bucket that runs `step` (None: eagerly); `extra` inputs must fit after it."""
         n, total = len(step.query_lens), len(step.input_ids)
         if extra > self.inputs.numel() - self.static:
+            return None
+        if step.sample_rows is not None:  # verifying proposals: a logits row per position
+            rows = len(step.sample_rows)
+            for key in self.verify:
+                if key.tokens >= total and key.streams >= n and key.logits_rows >= rows:
+                    return key
             return None
         if total == n:
             for b, key in self.decode.items():
@@ -181,7 +208,8 @@ class StepGraphs:
             ids[:n] = step.input_ids
             pos[:n] = step.positions
             slots[:n] = step.slot_mapping
-            last[: len(step.logits_indices)] = step.logits_indices
+            rows = step.logits_rows
+            last[: len(rows)] = rows
         at = key.size
         spans = []
         for a in extras:
@@ -216,17 +244,17 @@ class StepGraphs:
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[key] = self._forward(key)
             self.graphs[key] = g
-            kind = "decode" if key.block_q == 1 else "mixed"
-            log.info("CUDA graphs: captured %s %d tokens / %d streams (%d/%d)", kind, key.tokens,
-                     key.streams, i + 1, n)
+            log.info("CUDA graphs: captured %s %d tokens / %d streams (%d/%d)", key.kind,
+                     key.tokens, key.streams, i + 1, n)
             if progress is not None:
                 progress(f"capturing graphs {i + 1}/{n}")
         torch.cuda.synchronize()
         # captures ran the forward on padding only: the scratch block took all the writes
 
     def run(self, step: StepInputs, key: GraphKey) -> torch.Tensor:
-        """Logits [S, vocab] of a step staged for `key`, by replay where captured."""
-        n = len(step.query_lens)
+        """Logits [R, vocab] of a step staged for `key` (R: its logits rows, one per stream
+        unless it verifies proposals), by replay where captured."""
+        n = len(step.logits_rows)
         g = self.graphs.get(key)
         if g is None:
             return self._forward(key)[:n]

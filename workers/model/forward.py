@@ -127,9 +127,10 @@ class StepForward:
                                      self.tables.tensor, config.num_blocks,
                                      max_tokens=min(config.max_num_batched_tokens,
                                                     config.cuda_graph_max_tokens),
-                                     extra=2 * tables.array.size + 2 * config.max_num_seqs)
-            log.info("capturing CUDA graphs: decode batches %s, %d mixed buckets",
-                     self.graphs.buckets, len(self.graphs.mixed))
+                                     extra=2 * tables.array.size + 2 * config.max_num_seqs,
+                                     verify_tokens=_verify_tokens(config))
+            log.info("capturing CUDA graphs: decode batches %s, %d mixed and %d verify buckets",
+                     self.graphs.buckets, len(self.graphs.mixed), len(self.graphs.verify))
             self.graphs.capture(progress)
 
     def forward_step(self, step: StepInputs, block_tables: Sequence[Sequence[int]],
@@ -139,9 +140,7 @@ class StepForward:
         of the ids still on the device) travel with its inputs in one copy. `eager`: no CUDA
         graph (a step with LoRA adapters)."""
         graphs = self.graphs
-        # a step verifying proposals returns more logits rows than it has streams: eager
-        if graphs is not None and not eager and graphs.tables is self._device_tables() \
-                and step.sample_rows is None:
+        if graphs is not None and not eager and graphs.tables is self._device_tables():
             key = graphs.key_for(step, sum(a.size for a in extras))
             if key is not None:
                 views = graphs.stage(key, step, extras)
@@ -177,3 +176,12 @@ class StepForward:
             assert prev is not None
             dst, rows = extras
             ids.index_copy_(0, dst, prev.tokens.index_select(0, rows))
+
+
+def _verify_tokens(config: EngineConfig) -> int:
+    """The most tokens a step verifying proposals holds (every stream with a full proposal),
+    within the step's token budget; 0 without speculation."""
+    spec = config.speculative_config
+    if spec is None:
+        return 0
+    return min(config.max_num_seqs * (spec.num_speculative_tokens + 1), config.max_num_batched_tokens)

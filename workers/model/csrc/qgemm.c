@@ -514,7 +514,7 @@ static inline __m256i qg_reduce8(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-#if !defined(QG_VNNI) && !defined(QG_MADD_REDUCE)
+#ifndef QG_VNNI
 // 4-bit weights (Q4_0, Q4_1, Q4_K) without VNNI: the 8 blocks' raw maddubs outputs (16 int16
 // lanes each) -> one vector of their 8 int32 totals (lane j: block j). Three rounds of 16-bit
 // hadds sum each 128-bit half's 8 lanes (|sum| <= 8 x 2 x 15 x 127 < 2^15, exact), so the
@@ -603,7 +603,7 @@ static inline __attribute__((always_inline)) void qg_super(int qtype, const uint
 static inline __attribute__((always_inline)) __m256i qg_tot8(int qtype, const __m256i u[8], const __m256i sg[8],
                                                             const __m256i scv[8], const int8_t *const xp[8]) {
     __m256i id[8];
-#if !defined(QG_VNNI) && !defined(QG_MADD_REDUCE)  // QG_MADD_REDUCE: benchmarks' baseline
+#ifndef QG_VNNI
     if (qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q4_K) {
         for (int j = 0; j < 8; ++j) id[j] = _mm256_maddubs_epi16(u[j], _mm256_loadu_si256((const __m256i *)xp[j]));
         return qg_reduce8_16(id);
