@@ -531,9 +531,8 @@ static inline __m256i qg_reduce8_16(const __m256i v[8]) {
 enum { QG_SMALL_MAX = QG_INTER_MIN - 1 };
 
 // A chunk's scalars, one lane per 32-weight slice: v = idot * ws * d_x + coef * s_x (Q6_K:
-// + c0 * s0_x + c1 * s1_x, sc the slices' two 16-weight scales). Built in registers: scalars
-// stored to an array and read back as a vector stall on store forwarding, which cost more
-// than the slices' integer dots.
+// + c0 * s0_x + c1 * s1_x). Built in registers from the blocks' headers, not through
+// float arrays read back as vectors.
 typedef struct {
     __m256 ws, coef, c0, c1;
 } qg_scal8;
@@ -662,7 +661,7 @@ typedef struct {
     __m256 mask;       // lanes 0..t-1
 } qg_tailplan;
 
-// Once per call: vectors from scalar stores would stall store forwarding in every chunk.
+// Once per call, not per chunk: the lane maps as vectors.
 static void qg_tailplan_init(qg_tailplan *p, int t) {
     int keep[8], ix[8];
     p->t = t;
