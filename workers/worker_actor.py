@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import ray
@@ -215,8 +216,11 @@ class WorkerActor(StreamMoves, TokenBatches):
             return
         # the engine validates and tokenizes on the first step of this generator (in the pump)
         outs = self.engine.generate(prompt, sp, request_id, lora, handoff, self.handoff_lease_s)
-        async for chunk in self._chunks(request_id, outs, slot_id, track):
-            yield chunk
+        # closed with this generator: a consumer that leaves has its request aborted in the
+        # engine before its close returns (a hand-off or move decided next sees it gone)
+        async with aclosing(self._chunks(request_id, outs, slot_id, track)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE)
     async def resume(
@@ -225,8 +229,10 @@ class WorkerActor(StreamMoves, TokenBatches):
         """The chunks of a stream imported here, from where its previous worker stopped."""
         self._ensure_metrics()
         track = self.metrics.resumed()
-        async for chunk in self._chunks(request_id, self.engine.resume(request_id), slot_id, track):
-            yield chunk
+        async with aclosing(self._chunks(request_id, self.engine.resume(request_id), slot_id,
+                                         track)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _chunks(
         self, request_id: str, outs: AsyncIterator[RequestOutput], slot_id: str | None,
@@ -276,6 +282,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             track.finish("abort")  # consumer gone before the end (no-op if it ended or moved)
             if not req.task.done():
                 req.task.cancel()
+                await asyncio.wait({req.task})  # its cleanup queues the engine's abort
 
     async def _hold(self, req: _Request, sent_at: float) -> None:
         """Let engine steps accumulate until the stream's pacing interval has passed."""

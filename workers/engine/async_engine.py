@@ -33,6 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,8 +171,11 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._adds.put((seq, stream))
         self._wake.set()
-        async for out in self._consume(stream, rid):
-            yield out
+        # closed with this generator, not when collected: a consumer that leaves has its
+        # request aborted before its close returns
+        async with aclosing(self._consume(stream, rid)) as outs:
+            async for out in outs:
+                yield out
 
     async def _consume(self, stream: _Stream, rid: str) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -223,8 +227,9 @@ class AsyncLLMEngine:
         stream = await self._call(lambda: self._unclaimed.pop(request_id, None))
         if stream is None:
             raise InvalidRequestError(f"no imported stream {request_id!r} waits to be resumed")
-        async for out in self._consume(stream, request_id):
-            yield out
+        async with aclosing(self._consume(stream, request_id)) as outs:
+            async for out in outs:
+                yield out
 
     # ---- live moves (workers/engine/live_move.py; each call runs between steps) ----------
     async def live_begin(self, request_id: str, target: str) -> dict[str, Any]:
