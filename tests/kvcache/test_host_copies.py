@@ -5,6 +5,9 @@ their side streams with no host synchronisation."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import pytest
 import torch
 
@@ -111,9 +114,6 @@ class Held:
     test's assertions instead of hanging it."""
 
     def __init__(self, stream: torch.cuda.Stream, limit_s: float = 20.0) -> None:
-        import ctypes
-        import threading
-
         cu = ctypes.CDLL("libcuda.so.1")
         wait = getattr(cu, "cuStreamWaitValue32_v2", None) or cu.cuStreamWaitValue32
         wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]

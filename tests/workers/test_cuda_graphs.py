@@ -57,6 +57,11 @@ def _graphs(runner, max_tokens: int = 0) -> StepGraphs:
                       max_tokens=max_tokens, extra=2 * t.slots * t.width + 16)
 
 
+def _changed_blocks(runner, before: torch.Tensor) -> list[int]:
+    """The pool's blocks whose K/V differ from `before`."""
+    return (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten().tolist()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this with real graphs")
 def test_padded_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
     llm = LLM(tiny_model_path(tmp_path_factory), attention_backend="triton", block_size=4,
@@ -87,8 +92,7 @@ def test_padded_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
     # tiles name the streams' rows of the persistent block tables
     assert v["tiles"][0].tolist()[:3] == [p.slot for p in plan.streams]
     # the padding row wrote only into the scratch block; the streams' KV is as eager left it
-    changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
-    assert changed.tolist() in ([], [scratch])
+    assert _changed_blocks(runner, before) in ([], [scratch])
     runner.kv.commit(plan)
     # a prefill step never takes a decode graph, and without mixed buckets runs eagerly
     toks["d"] = [7] * 6
@@ -127,8 +131,7 @@ def test_padded_mixed_bucket_equals_the_unpadded_step(tmp_path_factory) -> None:
     assert v["slots"][27:].tolist() == [(runner.kv.num_blocks - 1) * 4] * 5
     assert v["last"].tolist() == [0, 5, 26, 0]
     scratch = runner.kv.num_blocks - 1
-    changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
-    assert changed.tolist() in ([], [scratch])
+    assert _changed_blocks(runner, before) in ([], [scratch])
     runner.kv.commit(plan)
 
 
@@ -175,6 +178,5 @@ def test_padded_verify_bucket_equals_the_unpadded_step(tmp_path_factory) -> None
     assert v["last"].tolist() == [*step.sample_rows.tolist(), 0]
     scratch = runner.kv.num_blocks - 1
     assert v["slots"][7:].tolist() == [scratch * 4]
-    changed = (runner.cache.kv != before).flatten(2).any(-1).any(0).any(0).nonzero().flatten()
-    assert changed.tolist() in ([], [scratch])
+    assert _changed_blocks(runner, before) in ([], [scratch])
     runner.kv.rollback(plan)

@@ -159,11 +159,8 @@ class StepGraphs:
         if extra > self.inputs.numel() - self.static:
             return None
         if step.sample_rows is not None:  # verifying proposals: a logits row per position
-            rows = len(step.sample_rows)
-            for key in self.verify:
-                if key.tokens >= total and key.streams >= n and key.logits_rows >= rows:
-                    return key
-            return None
+            # (a verify bucket's tiles and logits rows are its tokens: the step's fit too)
+            return next((key for key in self.verify if key.tokens >= total), None)
         if total == n:
             for b, key in self.decode.items():
                 if b >= n:

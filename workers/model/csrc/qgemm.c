@@ -537,12 +537,17 @@ typedef struct {
     __m256 ws, coef, c0, c1;
 } qg_scal8;
 
-// The f16 words at p, p + bs, ..., p + 7 bs as floats; lanes from nbk on are zero.
-static inline __attribute__((always_inline)) __m256 qg_half8(const uint8_t *p, int64_t bs, int nbk) {
-    uint16_t h[8];
-    for (int j = 0; j < 8; ++j) h[j] = j < nbk ? qg_rd16(p + j * bs) : 0;
+// 8 f16 words as floats.
+static inline __attribute__((always_inline)) __m256 qg_cvt8(const uint16_t h[8]) {
     return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3],
                                           (short)h[4], (short)h[5], (short)h[6], (short)h[7]));
+}
+
+// The f16 words at p, p + bs, ..., p + 7 bs as floats.
+static inline __attribute__((always_inline)) __m256 qg_half8(const uint8_t *p, int64_t bs) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; ++j) h[j] = qg_rd16(p + j * bs);
+    return qg_cvt8(h);
 }
 
 // A K-quant super-block's 8 slices of 32 weights and their scalars.
@@ -612,28 +617,28 @@ static inline __attribute__((always_inline)) __m256i qg_tot8(int qtype, const __
     return qg_reduce8(id);
 }
 
-// Up to 8 blocks [b0, b0 + nbk) of one weight row against MR rows: the lanes of each row's
-// vector of block values are blocks b0 + j, added into its partial sums P_j.
+// Blocks [b0, b0 + 8) of one weight row against MR rows: the lanes of each row's vector of
+// block values are blocks b0 + j, added into its partial sums P_j. (A row's last nb % 8
+// blocks go through qg_tail_chunk.)
 static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, const uint8_t *row,
                                                                  const qg_act *a, int MR,
-                                                                 int64_t b0, int nbk, __m256 *part) {
+                                                                 int64_t b0, __m256 *part) {
     __m256i u[8], sg[8];
     int16_t sc16[8][2] = {{0}};
     qg_scal8 sv;
     if (qtype == QG_Q4_K || qtype == QG_Q6_K) {  // a whole super-block: its header once
         qg_super(qtype, row + (b0 / 8) * (qtype == QG_Q4_K ? 144 : 210), u, &sv, sc16);
-        nbk = 8;
         for (int j = 0; j < 8; ++j) sg[j] = _mm256_setzero_si256();
-    } else {  // Q4_0, Q4_1, Q8_0: past the row's end, zero weights and scales give v = 0
+    } else {  // Q4_0, Q4_1, Q8_0
         const int64_t bs = qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34;
-        sv.ws = qg_half8(row + b0 * bs, bs, nbk);
-        sv.coef = qtype == QG_Q4_1   ? qg_half8(row + b0 * bs + 2, bs, nbk)
+        sv.ws = qg_half8(row + b0 * bs, bs);
+        sv.coef = qtype == QG_Q4_1   ? qg_half8(row + b0 * bs + 2, bs)
                   : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), sv.ws)
                                      : _mm256_setzero_ps();
         sv.c0 = sv.c1 = _mm256_setzero_ps();
         for (int j = 0; j < 8; ++j) {
             sg[j] = _mm256_setzero_si256();
-            u[j] = j < nbk ? qg_wvec(qtype, row, b0 + j, &sg[j]) : _mm256_setzero_si256();
+            u[j] = qg_wvec(qtype, row, b0 + j, &sg[j]);
         }
     }
     const __m256 wsv = sv.ws, coefv = sv.coef, c0v = sv.c0, c1v = sv.c1;
@@ -641,8 +646,7 @@ static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, cons
     for (int j = 0; j < 8; ++j) scv[j] = qtype == QG_Q6_K ? qg_q6_scales(sc16[j]) : _mm256_setzero_si256();
     for (int m = 0; m < MR; ++m) {
         const int8_t *xm = a->q + m * a->K + b0 * QG_QK, *xp[8];
-        for (int j = 0; j < 8; ++j) xp[j] = xm + j * QG_QK;  // past the row's end u is zero
-        // the activation scalars of blocks past the end read zeros (+ 8 floats of room)
+        for (int j = 0; j < 8; ++j) xp[j] = xm + j * QG_QK;
         const __m256 v = qg_bval8(qtype, qg_tot8(qtype, u, sg, scv, xp), wsv, coefv, c0v, c1v, a, m * a->nb + b0);
         part[m] = _mm256_add_ps(part[m], v);
     }
@@ -698,11 +702,8 @@ static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const
         hm[L] = qtype == QG_Q4_1 ? qg_rd16(row + (bt + i) * bs + 2) : 0;
         u[L] = qg_wvec(qtype, row, bt + i, &sg[L]);
     }
-    const __m256 ws = _mm256_cvtph_ps(_mm_setr_epi16((short)hd[0], (short)hd[1], (short)hd[2], (short)hd[3],
-                                                     (short)hd[4], (short)hd[5], (short)hd[6], (short)hd[7]));
-    const __m256 coef = qtype == QG_Q4_1
-                            ? _mm256_cvtph_ps(_mm_setr_epi16((short)hm[0], (short)hm[1], (short)hm[2], (short)hm[3],
-                                                             (short)hm[4], (short)hm[5], (short)hm[6], (short)hm[7]))
+    const __m256 ws = qg_cvt8(hd);
+    const __m256 coef = qtype == QG_Q4_1   ? qg_cvt8(hm)
                         : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
                                            : _mm256_setzero_ps();
     const __m256i gather = pl->gather;
@@ -730,7 +731,7 @@ static inline __attribute__((always_inline)) void qg_rows_small_tail(int qtype, 
     for (int k = 0; k < r; ++k) {
         for (int m = 0; m < MR; ++m) part[k][m] = _mm256_setzero_ps();
         for (int64_t b0 = 0; b0 + 8 <= a->nb; b0 += 8)
-            qg_small_chunk(qtype, w + (n + k) * row_bytes, a, MR, b0, 8, part[k]);
+            qg_small_chunk(qtype, w + (n + k) * row_bytes, a, MR, b0, part[k]);
     }
     qg_tail_chunk(qtype, w, n, r, pl, row_bytes, a, MR, part);
     for (int k = 0; k < r; ++k)
@@ -746,9 +747,7 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
                                                                int64_t ldo, int64_t n, int MR) {
     __m256 part[QG_SMALL_MAX];
     for (int m = 0; m < MR; ++m) part[m] = _mm256_setzero_ps();
-    int64_t b0 = 0;
-    for (; b0 + 8 <= a->nb; b0 += 8) qg_small_chunk(qtype, row, a, MR, b0, 8, part);
-    if (b0 < a->nb) qg_small_chunk(qtype, row, a, MR, b0, (int)(a->nb - b0), part);
+    for (int64_t b0 = 0; b0 < a->nb; b0 += 8) qg_small_chunk(qtype, row, a, MR, b0, part);  // nb % 8 == 0
     for (int m = 0; m < MR; ++m) {
         float p[8] __attribute__((aligned(32)));
         _mm256_store_ps(p, part[m]);
