@@ -2,14 +2,16 @@
 
 Two workloads of chat requests through the model's chat template: `copy` asks for text the
 prompt already holds (code edits, repeated lists: what n-gram proposals are made for) and
-`chat` asks ordinary questions. For each batch size B, B requests (cycling through the
-workload's prompts, each with its own numbers so no two are equal) are generated with one
-`LLM.generate` call by an engine without speculation and by one with it (same model, same
-settings otherwise, both built once and warmed up), `--rounds` times each, alternating which
-engine goes first; greedy, so both must give the same tokens (the `identical` column checks
-it). Figures: the median output tokens per second of the whole call (prompts included), the
-ratio of the medians, and the speculating engine's acceptance over the runs (vLLM's
-acceptance rate and mean acceptance length) and its steps that verified proposals (per run).
+`chat` asks ordinary questions. For each batch size B, the workload's prompts (each with
+its own numbers so no two are equal, cycled up to B, every prompt at least once: a batch of
+one is the whole workload one request at a time, not its first prompt) are generated with
+`LLM.chat` in calls of B requests, by an engine without speculation and by one with it (same
+model, same settings otherwise, both built once and warmed up), `--rounds` times each,
+alternating which engine goes first; greedy, so both must give the same tokens (the
+`identical` column checks it). Figures: the median output tokens per second of the point's
+calls (prompts included), the ratio of the medians, and the speculating engine's acceptance
+over the runs (vLLM's acceptance rate and mean acceptance length) and its steps that
+verified proposals (per run).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ COPY_PROMPTS = [
 
 CHAT_PROMPTS = [
     "What are {n} good reasons to take up cycling?",
-    "Explain in a few sentences how a refrigerator keeps food cold.",
+    "Explain in {n} sentences how a refrigerator keeps food cold.",
     "Write a short poem about a lighthouse at night, number {n}.",
     "Give me {n} tips for learning a new language.",
     "Why is the sky blue? Answer for a {n}-year-old.",
@@ -82,13 +84,24 @@ def prompts(workload: str, n: int) -> list[list[dict[str, str]]]:
             for i in range(n)]
 
 
-def run(llm: Any, convs: list[list[dict[str, str]]], max_tokens: int) -> tuple[Timer, list[list[int]]]:
+def calls(workload: str, batch: int) -> list[list[list[dict[str, str]]]]:
+    """The point's `generate` calls: every prompt of the workload at least once (a batch of
+    one is not one prompt's figure), `batch` conversations per call."""
+    convs = prompts(workload, max(batch, len(WORKLOADS[workload])))
+    return [convs[i : i + batch] for i in range(0, len(convs), batch)]
+
+
+def run(llm: Any, batches: list[list[list[dict[str, str]]]],
+        max_tokens: int) -> tuple[Timer, list[list[int]]]:
+    """One `chat` call per batch, timed together."""
     from kvserve import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs: list[list[int]] = []
     with Timer() as t:
-        outs = llm.chat(convs, sp)
-    return t, [list(o.token_ids) for o in outs]
+        for convs in batches:
+            outs += [list(o.token_ids) for o in llm.chat(convs, sp)]
+    return t, outs
 
 
 def spec_counts(llm: Any) -> dict[str, float]:
@@ -118,7 +131,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
     on = LLM(a.model, speculative_config=spec, **kw)
     if a.always:
         on.engine.spec.policy.always = True
-    warm = prompts("copy", 2)
+    warm = [prompts("copy", 2)]
     for llm in (off, on):
         run(llm, warm, 16)
     rows = []
@@ -126,14 +139,14 @@ def cmd_spec(a: argparse.Namespace) -> int:
           f"{'accept':>7} {'mean len':>8} {'spec steps':>10} {'identical':>9}")
     for w in workloads:
         for b in batches:
-            convs = prompts(w, b)
+            batches_b = calls(w, b)
             before = spec_counts(on)
             rates: dict[str, list[float]] = {"off": [], "on": []}
             cpu: dict[str, list[float]] = {"off": [], "on": []}
             outs: dict[str, Any] = {}
             for r in range(a.rounds):  # off/on, then on/off: drift weighs on both alike
                 for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                    t, outs[name] = run(off if name == "off" else on, convs, a.max_tokens)
+                    t, outs[name] = run(off if name == "off" else on, batches_b, a.max_tokens)
                     rates[name].append(sum(len(o) for o in outs[name]) / t.elapsed)
                     cpu[name].append(t.cpu / t.elapsed)
             after = spec_counts(on)

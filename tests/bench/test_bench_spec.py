@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_model_path
 
+from kvserve.bench.spec import WORKLOADS, calls
 from kvserve.cli import main
 
 
@@ -25,6 +26,18 @@ def test_unknown_workload_is_refused(capsys) -> None:
     assert "unknown workload 'prose'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("batch", [1, 4, 8, 32])
+def test_every_batch_size_runs_every_prompt_in_calls_of_that_size(workload, batch) -> None:
+    got = calls(workload, batch)
+    n = max(batch, len(WORKLOADS[workload]))
+    assert [len(c) for c in got] == [batch] * (n // batch) + ([n % batch] if n % batch else [])
+    texts = [conv[0]["content"] for c in got for conv in c]
+    assert len(set(texts)) == n  # each with its own numbers
+    for i, base in enumerate(WORKLOADS[workload]):  # batch 1 is not its first prompt alone
+        assert texts[i] == base.format(n=3 + i, m=40 + 7 * i)
+
+
 @pytest.mark.slow
 def test_bench_spec_json(tmp_path, tmp_path_factory, capsys, keep_torch_threads) -> None:
     out = tmp_path / "spec.json"
@@ -37,7 +50,8 @@ def test_bench_spec_json(tmp_path, tmp_path_factory, capsys, keep_torch_threads)
     assert [(r["workload"], r["batch"]) for r in rows] == [
         ("copy", 1), ("copy", 2), ("chat", 1), ("chat", 2)]
     for r in rows:
-        assert r["identical"] == r["of"] == r["batch"]  # greedy: the same tokens either way
+        # greedy: the same tokens either way, for every prompt of the workload
+        assert r["identical"] == r["of"] == len(WORKLOADS[r["workload"]])
         assert r["off_tok_s"] > 0 and r["on_tok_s"] > 0
         assert r["rounds"] == 2 and len(r["round_ratios"]) == 2
         assert 0 <= r["acceptance_rate"] <= 1
