@@ -91,22 +91,28 @@ def _assert_int8_close(loaded, streams: int, tol: float) -> None:
 
 
 def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
-    """A stream's logits are the same bits decoded alone, with 8 others (the interleaved
-    layout), beside another stream's prompt chunk (the op-by-op forward) and on one thread:
-    its tokens do not depend on the load it shares a step with."""
+    """A stream's logits are the same bits decoded alone, with 8 others (the repacked
+    weights' row-major path), with 64 others (the interleaved layout), beside another
+    stream's prompt chunk (the op-by-op forward) and on one thread: its tokens do not depend
+    on the load it shares a step with."""
+    assert _runner(smol, True, cpu_matmul="int8").model.cpu_step.model.all_packed == 1
+    assert _runner(smol, True, cpu_matmul="exact").model.cpu_step.model.all_packed == 0
     g = torch.Generator().manual_seed(7)
     target = {"t": torch.randint(100, 40000, (20,), generator=g).tolist()}
-    others = _prompts(8, g)
-    forced = [[(31 * i + 7 * j) % 30000 + 100 for j in range(9)] for i in range(4)]
+    others = {f"o{i}": torch.randint(100, 40000, (4 + i % 9,), generator=g).tolist() for i in range(64)}
+    forced = [[(31 * i + 7 * j) % 30000 + 100 for j in range(65)] for i in range(4)]
     alone = _decode(_runner(smol, True, cpu_matmul="int8"), target, 4, forced)
-    packed = _decode(_runner(smol, True, cpu_matmul="int8"), {**target, **others}, 4, forced)
+    nine = _decode(_runner(smol, True, cpu_matmul="int8"),
+                   {**target, **dict(list(others.items())[:8])}, 4, forced)
+    many = _decode(_runner(smol, True, cpu_matmul="int8"), {**target, **others}, 4, forced)
     torch.set_num_threads(1)
     try:
         one_thread = _decode(_runner(smol, True, cpu_matmul="int8"), target, 4, forced)
     finally:
         torch.set_num_threads(2)
-    for a, p, o in zip(alone, packed, one_thread, strict=True):
-        assert torch.equal(a[0], p[0])
+    for a, n, m, o in zip(alone, nine, many, one_thread, strict=True):
+        assert torch.equal(a[0], n[0])
+        assert torch.equal(a[0], m[0])
         assert torch.equal(a[0], o[0])
     # a step that also holds a 40-token prompt chunk (its rows attend one by one as well)
     r = _runner(smol, True, cpu_matmul="int8")

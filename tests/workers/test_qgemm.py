@@ -133,6 +133,79 @@ def test_row_tails_sharing_a_chunk_give_each_row_its_own_bits(lib, qtype: str) -
     assert torch.equal(qlinear_int8(x, qw, lib), _ref(lib, qw, x, interleaved=False))
 
 
+def _packed(lib, qw: QuantizedWeight, x: torch.Tensor, threads: int,
+            packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The few-row path with the weights' repacked copy beside them, as the decode step has."""
+    n, k = qw.shape
+    qt = QTYPES[qw.qtype][0]
+    if packed is None:
+        packed = torch.empty_like(qw.data)
+        assert lib.qgemm_pack(qt, qw.data.data_ptr(), n, k, qw.data.shape[1], packed.data_ptr()) == 0
+    m = x.shape[0]
+    out = torch.empty(m, n)
+    buf = scratch(lib.qgemm_scratch_bytes(m, k))
+    assert lib.qgemm_q8_packed(qt, qw.data.data_ptr(), packed.data_ptr(), n, k, qw.data.shape[1],
+                               x.data_ptr(), k, m, out.data_ptr(), buf.data_ptr(), threads) == 0
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
+    """Q4_0 / Q4_1 / Q8_0 weights repacked 8 rows at a time (the decode step's copy for up to 6 rows): every
+    row's bits equal the scalar reference's on the original layout, with 1-3 threads whose
+    shares of 40 rows end inside a group of 8 (those rows read the original), K with and
+    without a partial chunk of blocks, on this host's build and the VNNI build's code; up to
+    64 rows row-major (a model whose weights all have the copy), 65 the interleaved path and
+    the original rows."""
+    builds = [lib]
+    if lib.qgemm_simd_level() == 1:
+        builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
+    rng = np.random.default_rng([*qtype.encode(), 6])
+    for k in (160, 256, 576):
+        raw = random_blocks(qtype, 40, k, rng)
+        qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
+        w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
+        for m in (1, 2, 3, 6, 7, 9, 17, 64, 65):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            x[:, 3] *= 40
+            want = _ref(lib, qw, x, interleaved=m >= 7)
+            xq = q8_rows(x.numpy()).astype(np.float64)
+            assert (np.abs(want.numpy() - xq @ w.T) <= 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6).all()
+            for b in builds:
+                for threads in (1, 2, 3):
+                    assert torch.equal(_packed(b, qw, x, threads), want), (k, m, threads)
+
+
+def test_the_repacked_copy_is_what_whole_groups_read(lib) -> None:
+    """With the copy zeroed, the rows of whole groups of 8 come out zero and the rows of a
+    share's partial groups (3 threads over 40 rows: 0-12, 13-25, 26-39) keep their values:
+    the few-row path reads the copy, and the original where a share cuts a group."""
+    rng = np.random.default_rng(7)
+    raw = random_blocks("Q4_1", 40, 160, rng)
+    qw = QuantizedWeight("Q4_1", torch.from_numpy(raw), (40, 160))
+    x = torch.from_numpy(rng.standard_normal((2, 160)).astype(np.float32))
+    want = _ref(lib, qw, x, interleaved=False)
+    got = _packed(lib, qw, x, 3, packed=torch.zeros_like(qw.data))
+    if lib.qgemm_simd_level() == 0:  # the scalar fallback has no few-row path of its own
+        assert torch.equal(got, want)
+        return
+    shares = [(40 * t // 3, 40 * (t + 1) // 3) for t in range(3)]  # the kernel's split
+    whole = [r for r in range(40) if any(a <= r // 8 * 8 and r // 8 * 8 + 8 <= b for a, b in shares)]
+    cut = [r for r in range(40) if r not in whole]
+    assert whole == [*range(0, 8), *range(16, 24), *range(32, 40)]
+    assert (got[:, whole] == 0).all()
+    assert torch.equal(got[:, cut], want[:, cut])
+
+
+def test_repacking_refuses_what_it_cannot_lay_out(lib) -> None:
+    rng = np.random.default_rng(8)
+    for qtype, n in (("Q4_1", 37), ("Q8_0", 36), ("Q4_K", 40), ("Q6_K", 40)):
+        k = 256
+        raw = torch.from_numpy(random_blocks(qtype, n, k, rng))
+        out = torch.empty_like(raw)
+        assert lib.qgemm_pack(QTYPES[qtype][0], raw.data_ptr(), n, k, raw.shape[1], out.data_ptr()) == -1
+
+
 def test_this_host_takes_the_simd_path(lib) -> None:
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()

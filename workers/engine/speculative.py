@@ -328,10 +328,11 @@ def _calibrate(engine: LLMEngine, k: int) -> StepCost:
     cfg = engine.config
     top = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (k + 1), engine.max_model_len - 1,
               cfg.num_blocks * cfg.block_size)
-    # the CPU linears change path past MAX_ROWS rows (quantized blocks, then fp32 GEMM)
+    # the CPU linears change path past MAX_ROWS rows (exact: quantized blocks, then fp32
+    # GEMM) and past 64 (int8: repacked weights' row-major path, then interleaved rows)
     from kvserve.workers.model.quant_linear import MAX_ROWS
 
-    grid = sorted({t for t in [1, 2, 3, 4, 6, 8, 12, MAX_ROWS, MAX_ROWS + 1, 24, 32, 48, 64, 96,
+    grid = sorted({t for t in [1, 2, 3, 4, 6, 8, 12, MAX_ROWS, MAX_ROWS + 1, 24, 32, 48, 64, 65, 96,
                                128, 192, 256, 384, 512, 768, 1024] if t <= top} | {top})
     seconds = runner.time_forward(grid)
     vocab = engine.model_config.vocab_size

@@ -26,10 +26,13 @@ if TYPE_CHECKING:
     from kvserve.workers.model.layers.decoder import DecoderModel
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# weight types the int8 step also keeps repacked for its few-row path (csrc/qgemm.c)
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 class _Lin(ctypes.Structure):
-    _fields_ = [("w", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("row_bytes", _i64), ("qtype", _i64)]
+    _fields_ = [("w", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("row_bytes", _i64), ("qtype", _i64),
+                ("wp", _p)]
 
 
 class _Layer(ctypes.Structure):
@@ -45,7 +48,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
         ("inter", _i64), ("bs", _i64), ("exact", _i64), ("eps", _f), ("pad_", _f),
-        ("final_norm", _p), ("head", _Lin), ("layers", _p),
+        ("final_norm", _p), ("head", _Lin), ("layers", _p), ("all_packed", _i64),
     ]
 
 
@@ -70,8 +73,8 @@ class CpuDecodeStep:
             attn, mlp = layer.attn, layer.mlp
             assert isinstance(mlp, GatedMLP)
             ly = layers[i]
-            ly.qkv, ly.o = _lin(attn.qkv, keep), _lin(attn.o, keep)
-            ly.gate_up, ly.down = _lin(mlp.gate_up, keep), _lin(mlp.down, keep)
+            ly.qkv, ly.o = _lin(attn.qkv, keep, lib, exact), _lin(attn.o, keep, lib, exact)
+            ly.gate_up, ly.down = _lin(mlp.gate_up, keep, lib, exact), _lin(mlp.down, keep, lib, exact)
             for field in ("in_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm"):
                 norm = getattr(layer, field.replace("in_norm", "input_norm"))
                 setattr(ly, field, _ptr(norm.weight) if norm is not None else None)
@@ -92,8 +95,10 @@ class CpuDecodeStep:
         m.exact = int(exact)
         m.eps = model.norm.eps
         m.final_norm = model.norm.weight.data_ptr()
-        m.head = _lin(model.lm_head, keep)
+        m.head = _lin(model.lm_head, keep, lib, exact)
         m.layers = ctypes.cast(layers, _p)
+        lins = [m.head] + [getattr(ly, f) for ly in layers for f in ("qkv", "o", "gate_up", "down")]
+        m.all_packed = int(all(lin.wp for lin in lins))
         self.model, self.layers, self.keep = m, layers, keep
         self.model_ref = model
         self.cache_ptr: int | None = None
@@ -164,12 +169,21 @@ def bind_rows(model: DecoderModel, lib: Any) -> None:
                 mlp.lib = lib
 
 
-def _lin(linear: Any, keep: list[Any]) -> _Lin:
+def _lin(linear: Any, keep: list[Any], lib: Any, exact: bool) -> _Lin:
     q = linear.quant
     keep.append(q.data)
     out = _Lin()
     out.w, out.N, out.K, out.row_bytes = q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1]
     out.qtype = QTYPES[q.qtype][0]
+    if not exact and q.qtype in PACKED_QTYPES and q.shape[0] % 8 == 0:
+        # a second copy, repacked 8 rows at a time for steps of up to 64 rows (its memory
+        # for 1.3-1.9x there: docs/benchmarks.md, "Small row counts"); the original serves
+        # prefill chunks, a share's partial groups and every other reader of these weights
+        packed = torch.empty_like(q.data)
+        if lib.qgemm_pack(out.qtype, q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1],
+                          packed.data_ptr()) == 0:
+            keep.append(packed)
+            out.wp = packed.data_ptr()
     if linear.bias is not None:
         bias = linear.bias.float().contiguous()
         keep.append(bias)

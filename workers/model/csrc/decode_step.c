@@ -29,6 +29,7 @@ typedef struct {
     const void *w;        // raw ggml rows [N, row_bytes]
     const float *bias;    // [N] or NULL
     int64_t N, K, row_bytes, qtype;
+    const void *wp;       // w repacked for the few-row path (qgemm_pack), or NULL
 } ds_lin;
 
 typedef struct {
@@ -47,6 +48,7 @@ typedef struct {
     const float *final_norm;
     ds_lin head;
     const ds_layer *layers;
+    int64_t all_packed;  // every linear has its repacked copy: row-major up to 64 rows
 } ds_model;
 
 // ---------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ static void ds_mm(const ds_model *md, const ds_lin *L, int64_t n0, int64_t n1, c
                   const float *xf, int64_t ldx, int64_t M, float *out, int64_t ldo) {
     if (n0 >= n1) return;
     if (!md->exact) {
-        qg_rows((int)L->qtype, (const uint8_t *)L->w, n0, n1, L->row_bytes, a, out, ldo);
+        qg_rows((int)L->qtype, (const uint8_t *)L->w, (const uint8_t *)L->wp, n0, n1, L->row_bytes, a, out, ldo);
     } else {
         const int bb = block_bytes((int)L->qtype);
         for (int64_t n = n0; n < n1; ++n) {
@@ -207,7 +209,8 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
     // a prompt chunk's (or verify step's) rows attend in tiles of consecutive positions
     const int64_t ntiles = pd_plan_tiles(tables, max_blocks, lens, B, md->bs, hq / hkv, s.tiles);
     // rows the quantizers fill: the interleaved layout pads the last group with zero rows
-    const int64_t Bp = B >= QG_INTER_MIN ? (B + 7) / 8 * 8 : B;
+    const int64_t imin = md->all_packed ? QG_PACKED_INTER_MIN : QG_INTER_MIN;
+    const int64_t Bp = B >= imin ? (B + 7) / 8 * 8 : B;
 #pragma omp parallel num_threads(n_threads)
     {
         int t = 0, T = 1;
@@ -216,7 +219,7 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
         T = omp_get_num_threads();
 #endif
         const int64_t r0 = ds_part(Bp, t, T), r1 = ds_part(Bp, t + 1, T);
-        if (t == 0) qg_act_init(&A, s.abuf, B, H);
+        if (t == 0) qg_act_init(&A, s.abuf, B, H, imin);
 #pragma omp barrier
         for (int64_t l = 0; l < md->n_layers; ++l) {
             const ds_layer *ly = md->layers + l;
@@ -254,7 +257,7 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
                         }
                     }
                 }
-                if (t == 0) qg_act_init(&Bq, s.bbuf, B, ad);
+                if (t == 0) qg_act_init(&Bq, s.bbuf, B, ad, imin);
             }
 #pragma omp barrier
             // P3: attention; a stream's few KV heads split by query head when there are
@@ -302,7 +305,7 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
                 ds_rmsnorm(s.h + m * H, xm, ly->pre_mlp_norm, H, md->eps);
                 if (!exact) qg_quantize_rows(&A, s.h, H, m, m + 1);
             }
-            if (t == 0) qg_act_init(&Bq, s.bbuf, B, I);
+            if (t == 0) qg_act_init(&Bq, s.bbuf, B, I, imin);
 #pragma omp barrier
             // P6: gate and up over the same 32-column units
             {
@@ -329,8 +332,8 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
         }
         // the logits rows
         const ds_layer *last = md->layers + md->n_layers - 1;
-        const int64_t Rp = R >= QG_INTER_MIN ? (R + 7) / 8 * 8 : R;
-        if (t == 0) qg_act_init(&A, s.abuf, R, H);
+        const int64_t Rp = R >= imin ? (R + 7) / 8 * 8 : R;
+        if (t == 0) qg_act_init(&A, s.abuf, R, H, imin);
 #pragma omp barrier
         for (int64_t i = ds_part(Rp, t, T); i < ds_part(Rp, t + 1, T); ++i) {
             if (i >= R) {

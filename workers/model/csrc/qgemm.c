@@ -6,10 +6,15 @@
 // dpbusd). Weight types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
 //
 // Two layouts of the quantized activations, chosen by the row count:
-//  - M < QG_INTER_MIN: row-major; a weight block is unpacked once and meets each row's
-//    32 bytes in one vector (few rows: reading the weights is the cost).
-//  - otherwise: groups of 8 rows interleaved 4 bytes at a time, so each lane of a vector
-//    is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
+//  - M < QG_INTER_MIN (QG_PACKED_INTER_MIN where every weight has a repacked copy):
+//    row-major. With a copy (Q4_0, Q4_1, Q8_0: qgemm_pack, made once at load by the decode
+//    step) 8 weight rows are interleaved 4 bytes at a time, so each lane is one output row
+//    and each activation row's 4-byte slices are broadcast to meet 8 weight rows in one
+//    instruction; without one (K-quants, rows of a group a thread's share cuts) a weight
+//    block is unpacked once and meets each row's 32 bytes in one vector, then 8 blocks'
+//    dots are reduced across lanes.
+//  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
+//    a vector is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
 //    (compute-bound batches and prefill).
 // Every path gives a row the same result bit for bit, whatever M, the layout, the thread
 // count or the other rows: the integer dot of a block is exact, each block's value is
@@ -56,7 +61,9 @@ static inline __m256i qg_dpbusd_emul(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q6_K = 14 };  // ggml ids
-enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7 };
+// The interleaved layout from QG_INTER_MIN rows on; from QG_PACKED_INTER_MIN where every
+// weight has its repacked copy (qgemm_pack), whose few-row path stays ahead of it further.
+enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_PACKED_INTER_MIN = 65 };
 
 static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 weights
     switch (qtype) {
@@ -69,6 +76,11 @@ static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 
     }
 }
 
+// A repacked group of 8 rows (qgemm_pack): per block, the bytes of its scales (and Q4_1's
+// mins) before its quants, and its 4-byte words of quants per row.
+static inline int64_t qg_pk_hdr(int qtype) { return qtype == QG_Q4_1 ? 32 : 16; }
+static inline int qg_pk_words(int qtype) { return qtype == QG_Q8_0 ? 8 : 4; }
+static inline int qg_packable(int qtype) { return qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0; }
 static int qg_block_size(int qtype) { return qtype == QG_Q4_K || qtype == QG_Q6_K ? QG_QKK : QG_QK; }
 
 static inline uint16_t qg_rd16(const uint8_t *p) {
@@ -106,12 +118,12 @@ static int64_t qg_act_bytes(int64_t M, int64_t K) {
     return G * 8 * K + 4 * (G * 8 * nb + 8) * (int64_t)sizeof(float) + 64;
 }
 
-static void qg_act_init(qg_act *a, void *buf, int64_t M, int64_t K) {
+static void qg_act_init(qg_act *a, void *buf, int64_t M, int64_t K, int64_t inter_min) {
     a->M = M;
     a->K = K;
     a->nb = K / QG_QK;
     a->G = (M + 7) / 8;
-    a->inter = M >= QG_INTER_MIN;
+    a->inter = M >= inter_min;
     uintptr_t p = ((uintptr_t)buf + 31) & ~(uintptr_t)31;
     a->q = (int8_t *)p;
     p += (uintptr_t)(a->G * 8 * K);
@@ -528,7 +540,7 @@ static inline __m256i qg_reduce8_16(const __m256i v[8]) {
 }
 #endif
 
-enum { QG_SMALL_MAX = QG_INTER_MIN - 1 };
+enum { QG_SMALL_MAX = QG_PACKED_INTER_MIN - 1 };  // rows of the row-major layout at most
 
 // A chunk's scalars, one lane per 32-weight slice: v = idot * ws * d_x + coef * s_x (Q6_K:
 // + c0 * s0_x + c1 * s1_x). Built in registers from the blocks' headers, not through
@@ -755,6 +767,69 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
     }
 }
 
+// Q4_0 / Q4_1 / Q8_0 weights repacked once at load (qgemm_pack) for the few-row path: per 8
+// consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
+// whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
+// nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
+// Lane r of every vector is then output row n + r: each activation row's 4-byte slices are
+// broadcast and meet 8 weight rows per instruction, with no horizontal sums and nothing
+// transposed per step. Each lane adds v_b into P_{b mod 8} in order of b and ends with the
+// fixed tree: the same bits as every other path.
+static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtype, const uint8_t *gp,
+                                                                  const qg_act *a, float *out,
+                                                                  int64_t ldo, int64_t n, const int MR) {
+    const int64_t blk = 8 * (qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34), hdr = qg_pk_hdr(qtype);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 part[QG_SMALL_MAX][8];
+    for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 8; ++j) part[m][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const uint8_t *p = gp + b * blk;
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 coef = qtype == QG_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                            : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
+                                               : _mm256_setzero_ps();
+        const __m256i *wq = (const __m256i *)(p + hdr);
+        __m256i u[8];
+        if (qtype == QG_Q8_0) {
+            for (int g = 0; g < 8; ++g) u[g] = _mm256_abs_epi8(_mm256_loadu_si256(wq + g));
+        } else {
+            for (int h = 0; h < 4; ++h) {
+                const __m256i v = _mm256_loadu_si256(wq + h);
+                u[h] = _mm256_and_si256(v, m4);
+                u[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        }
+        for (int m = 0; m < MR; ++m) {
+            const int8_t *x = a->q + m * a->K + b * QG_QK;
+            __m256i acc = _mm256_setzero_si256();
+            if (qtype == QG_Q8_0) {  // |w| against x with w's sign; one pair fills 16 bits
+                for (int g = 0; g < 8; ++g) {
+                    const __m256i sx = _mm256_sign_epi8(qg_bcast4(x + 4 * g), _mm256_loadu_si256(wq + g));
+#ifdef QG_VNNI
+                    acc = QG_DPBUSD(acc, u[g], sx);
+#else
+                    acc = _mm256_add_epi32(acc, QG_ACC_I32(_mm256_maddubs_epi16(u[g], sx)));
+#endif
+                }
+            } else {  // 8 x 2 products of 4 bits: within 16 bits
+                for (int g = 0; g < 8; ++g) acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
+                acc = QG_ACC_I32(acc);
+            }
+            const int64_t f = m * a->nb + b;
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ws, _mm256_set1_ps(a->d[f])));
+            if (qtype != QG_Q8_0) v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s[f]), v);
+            part[m][b % 8] = _mm256_add_ps(part[m][b % 8], v);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        const __m256 *P = part[m];
+        _mm256_storeu_ps(out + m * ldo + n,
+                         _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(P[0], P[1]), _mm256_add_ps(P[2], P[3])),
+                                       _mm256_add_ps(_mm256_add_ps(P[4], P[5]), _mm256_add_ps(P[6], P[7]))));
+    }
+}
+
 static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype, const uint8_t *w,
                                                                  int64_t n0, int64_t n1, int64_t row_bytes,
                                                                  const qg_act *a, float *out, int64_t ldo) {
@@ -788,10 +863,25 @@ static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype
 }
 #endif
 
-// Weight rows [n0, n1) against every activation row (the calling thread's share).
-static void qg_rows(int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t row_bytes,
-                    const qg_act *a, float *out, int64_t ldo) {
+// Weight rows [n0, n1) against every activation row (the calling thread's share); wp:
+// the weights repacked by qgemm_pack, or NULL. The few-row path takes the repacked
+// copy for whole groups of 8 rows, the rows of a share's partial groups the original.
+static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, int64_t n1,
+                    int64_t row_bytes, const qg_act *a, float *out, int64_t ldo) {
 #ifdef QG_AVX2
+    if (wp && !a->inter && qg_packable(qtype)) {
+        const int64_t g0 = (n0 + 7) / 8, g1 = n1 / 8;
+        if (g0 < g1) {
+            qg_rows(qtype, w, NULL, n0, 8 * g0, row_bytes, a, out, ldo);
+            for (int64_t g = g0; g < g1; ++g) {
+                const uint8_t *gp = wp + g * 8 * row_bytes;
+                if (a->M == 1) qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, 1);  // batch-1 decode
+                else qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, (int)a->M);
+            }
+            qg_rows(qtype, w, NULL, 8 * g1, n1, row_bytes, a, out, ldo);
+            return;
+        }
+    }
     switch (qtype) {
     case QG_Q4_0: qg_rows_simd_t(QG_Q4_0, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q4_1: qg_rows_simd_t(QG_Q4_1, w, n0, n1, row_bytes, a, out, ldo); return;
@@ -800,6 +890,7 @@ static void qg_rows(int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t
     case QG_Q6_K: qg_rows_simd_t(QG_Q6_K, w, n0, n1, row_bytes, a, out, ldo); return;
     }
 #else
+    (void)wp;
     qg_rows_scalar(qtype, w, n0, n1, row_bytes, a, out, ldo);
 #endif
 }
@@ -829,14 +920,14 @@ int qgemm_simd_level(void) {
 #endif
 }
 
-// x: [M, K] float32 (row stride ldx); w: [N, row_bytes]; out: [M, N]; scratch: at least
-// qgemm_scratch_bytes(M, K). One parallel region: quantize the rows, then the weight rows.
-// Returns 0, or -1 for an unsupported type or shape.
-int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const float *x,
-             int64_t ldx, int64_t M, float *out, void *scratch, int n_threads) {
+// One parallel region: quantize the rows, then the weight rows (wp: the repacked copy, or
+// NULL; inter_min: the row count from which the activations interleave).
+static int qg_gemm(int qtype, const uint8_t *w, const uint8_t *wp, int64_t N, int64_t K, int64_t row_bytes,
+                   const float *x, int64_t ldx, int64_t M, float *out, void *scratch, int n_threads,
+                   int64_t inter_min) {
     if (qg_check(qtype, K, row_bytes)) return -1;
     qg_act a;
-    qg_act_init(&a, scratch, M, K);
+    qg_act_init(&a, scratch, M, K, inter_min);
     const int64_t rows = a.inter ? a.G * 8 : M;
 #pragma omp parallel num_threads(n_threads)
     {
@@ -847,9 +938,44 @@ int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_byte
 #endif
         qg_quantize_rows(&a, x, ldx, rows * t / T, rows * (t + 1) / T);
 #pragma omp barrier
-        qg_rows(qtype, w, N * t / T, N * (t + 1) / T, row_bytes, &a, out, N);
+        qg_rows(qtype, w, wp, N * t / T, N * (t + 1) / T, row_bytes, &a, out, N);
     }
     return 0;
+}
+
+// x: [M, K] float32 (row stride ldx); w: [N, row_bytes]; out: [M, N]; scratch: at least
+// qgemm_scratch_bytes(M, K). Returns 0, or -1 for an unsupported type or shape.
+int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const float *x,
+             int64_t ldx, int64_t M, float *out, void *scratch, int n_threads) {
+    return qg_gemm(qtype, w, NULL, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_INTER_MIN);
+}
+
+// Repack Q4_0 / Q4_1 / Q8_0 rows for the few-row path (qg_rows8_packed's layout, the same
+// bytes in all): out has N x row_bytes bytes. Returns 0, or -1 for another type, a bad
+// shape or N not a multiple of 8.
+int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
+    if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
+    const int64_t nb = K / QG_QK, bs = qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
+    const int nw = qg_pk_words(qtype);
+    const int64_t off = bs - 4 * nw;  // the quants follow the block's scale (and min)
+    for (int64_t g = 0; g < N / 8; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *o = out + g * 8 * row_bytes + b * 8 * bs;
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *src = w + (g * 8 + r) * row_bytes + b * bs;
+                memcpy(o + 2 * r, src, 2);                                   // d
+                if (qtype == QG_Q4_1) memcpy(o + 16 + 2 * r, src + 2, 2);  // m
+                for (int h = 0; h < nw; ++h) memcpy(o + hdr + 32 * h + 4 * r, src + off + 4 * h, 4);
+            }
+        }
+    return 0;
+}
+
+// qgemm_q8 with the repacked copy wp of w (qgemm_pack) beside it, as the decode step of a
+// model whose weights all have one calls it (row-major up to 64 rows; tests).
+int qgemm_q8_packed(int qtype, const uint8_t *w, const uint8_t *wp, int64_t N, int64_t K, int64_t row_bytes,
+                    const float *x, int64_t ldx, int64_t M, float *out, void *scratch, int n_threads) {
+    return qg_gemm(qtype, w, wp, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_PACKED_INTER_MIN);
 }
 
 // The scalar reference, single-threaded (tests): `inter` picks the activation layout.
@@ -857,7 +983,7 @@ int qgemm_q8_ref(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_
                  int64_t M, float *out, void *scratch, int inter) {
     if (qg_check(qtype, K, row_bytes)) return -1;
     qg_act a;
-    qg_act_init(&a, scratch, M, K);
+    qg_act_init(&a, scratch, M, K, QG_INTER_MIN);
     a.inter = inter;
     qg_quantize_rows(&a, x, K, 0, inter ? a.G * 8 : M);
     qg_rows_scalar(qtype, w, 0, N, row_bytes, &a, out, N);
