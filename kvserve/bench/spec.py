@@ -85,8 +85,8 @@ def prompts(workload: str, n: int) -> list[list[dict[str, str]]]:
 
 
 def calls(workload: str, batch: int) -> list[list[list[dict[str, str]]]]:
-    """The point's `generate` calls: every prompt of the workload at least once (a batch of
-    one is not one prompt's figure), `batch` conversations per call."""
+    """The point's `chat` calls: every prompt of the workload at least once (a batch of one
+    is not one prompt's figure), `batch` conversations per call."""
     convs = prompts(workload, max(batch, len(WORKLOADS[workload])))
     return [convs[i : i + batch] for i in range(0, len(convs), batch)]
 

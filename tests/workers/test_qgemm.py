@@ -151,7 +151,7 @@ def _packed(lib, qw: QuantizedWeight, x: torch.Tensor, threads: int,
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
-    """Q4_0 / Q4_1 / Q8_0 weights repacked 8 rows at a time (the decode step's copy for up to 6 rows): every
+    """Q4_0 / Q4_1 / Q8_0 weights repacked 8 rows at a time (the decode step's copy): every
     row's bits equal the scalar reference's on the original layout, with 1-3 threads whose
     shares of 40 rows end inside a group of 8 (those rows read the original), K with and
     without a partial chunk of blocks, on this host's build and the VNNI build's code; up to
