@@ -139,7 +139,7 @@ def _packed(lib, qw: QuantizedWeight, x: torch.Tensor, threads: int,
     n, k = qw.shape
     qt = QTYPES[qw.qtype][0]
     if packed is None:
-        packed = torch.empty_like(qw.data)
+        packed = torch.empty(lib.qgemm_pack_bytes(qt, n, k), dtype=torch.uint8)
         assert lib.qgemm_pack(qt, qw.data.data_ptr(), n, k, qw.data.shape[1], packed.data_ptr()) == 0
     m = x.shape[0]
     out = torch.empty(m, n)
@@ -149,19 +149,20 @@ def _packed(lib, qw: QuantizedWeight, x: torch.Tensor, threads: int,
     return out
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
-    """Q4_0 / Q4_1 / Q8_0 weights repacked 8 rows at a time (the decode step's copy): every
-    row's bits equal the scalar reference's on the original layout, with 1-3 threads whose
-    shares of 40 rows end inside a group of 8 (those rows read the original), K with and
-    without a partial chunk of blocks, on this host's build and the VNNI build's code; up to
+    """Q4_0 / Q4_1 / Q8_0 / Q4_K weights repacked 8 rows at a time (the decode step's copy):
+    every row's bits equal the scalar reference's on the original layout, with 1-3 threads
+    whose shares of 40 rows end inside a group of 8 (those rows read the original), K with
+    and without a partial chunk of blocks (Q4_K: 1-3 super-blocks), on this host's build and
+    the VNNI build's code; up to
     64 rows row-major (a model whose weights all have the copy), 65 the interleaved path and
     the original rows."""
     builds = [lib]
     if lib.qgemm_simd_level() == 1:
         builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
     rng = np.random.default_rng([*qtype.encode(), 6])
-    for k in (160, 256, 576):
+    for k in (256, 512, 768) if qtype == "Q4_K" else (160, 256, 576):
         raw = random_blocks(qtype, 40, k, rng)
         qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
         w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
@@ -176,16 +177,19 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
                     assert torch.equal(_packed(b, qw, x, threads), want), (k, m, threads)
 
 
-def test_the_repacked_copy_is_what_whole_groups_read(lib) -> None:
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_the_repacked_copy_is_what_whole_groups_read(lib, qtype: str) -> None:
     """With the copy zeroed, the rows of whole groups of 8 come out zero and the rows of a
     share's partial groups (3 threads over 40 rows: 0-12, 13-25, 26-39) keep their values:
     the few-row path reads the copy, and the original where a share cuts a group."""
     rng = np.random.default_rng(7)
-    raw = random_blocks("Q4_1", 40, 160, rng)
-    qw = QuantizedWeight("Q4_1", torch.from_numpy(raw), (40, 160))
-    x = torch.from_numpy(rng.standard_normal((2, 160)).astype(np.float32))
+    k = 256
+    raw = random_blocks(qtype, 40, k, rng)
+    qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     want = _ref(lib, qw, x, interleaved=False)
-    got = _packed(lib, qw, x, 3, packed=torch.zeros_like(qw.data))
+    zeros = torch.zeros(lib.qgemm_pack_bytes(QTYPES[qtype][0], 40, k), dtype=torch.uint8)
+    got = _packed(lib, qw, x, 3, packed=zeros)
     if lib.qgemm_simd_level() == 0:  # the scalar fallback has no few-row path of its own
         assert torch.equal(got, want)
         return
@@ -199,11 +203,15 @@ def test_the_repacked_copy_is_what_whole_groups_read(lib) -> None:
 
 def test_repacking_refuses_what_it_cannot_lay_out(lib) -> None:
     rng = np.random.default_rng(8)
-    for qtype, n in (("Q4_1", 37), ("Q8_0", 36), ("Q4_K", 40), ("Q6_K", 40)):
+    for qtype, n in (("Q4_1", 37), ("Q8_0", 36), ("Q4_K", 44), ("Q6_K", 40)):
         k = 256
         raw = torch.from_numpy(random_blocks(qtype, n, k, rng))
-        out = torch.empty_like(raw)
+        out = torch.empty(2 * raw.numel(), dtype=torch.uint8)
         assert lib.qgemm_pack(QTYPES[qtype][0], raw.data_ptr(), n, k, raw.shape[1], out.data_ptr()) == -1
+    assert lib.qgemm_pack_bytes(QTYPES["Q6_K"][0], 40, 256) == -1
+    # Q4_K's copy unpacks each row's 12 bytes of 6-bit scales: 148 bytes a super-block
+    assert lib.qgemm_pack_bytes(QTYPES["Q4_K"][0], 40, 512) == 40 * 2 * 148
+    assert lib.qgemm_pack_bytes(QTYPES["Q4_1"][0], 40, 512) == 40 * 16 * 20
 
 
 def test_this_host_takes_the_simd_path(lib) -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # weight types the int8 step also keeps repacked for its few-row path (csrc/qgemm.c)
-PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 
 
 class _Lin(ctypes.Structure):
@@ -176,10 +176,11 @@ def _lin(linear: Any, keep: list[Any], lib: Any, exact: bool) -> _Lin:
     out.w, out.N, out.K, out.row_bytes = q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1]
     out.qtype = QTYPES[q.qtype][0]
     if not exact and q.qtype in PACKED_QTYPES and q.shape[0] % 8 == 0:
-        # a second copy, repacked 8 rows at a time for steps of up to 64 rows (its memory
-        # for 1.3-1.9x there: docs/benchmarks.md, "Small row counts"); the original serves
-        # prefill chunks, a share's partial groups and every other reader of these weights
-        packed = torch.empty_like(q.data)
+        # a second copy, repacked 8 rows at a time for steps of up to 64 rows (its memory,
+        # Q4_K's 3% more than the original, for 1.2-1.9x there: docs/benchmarks.md, "Small
+        # row counts"); the original serves prefill chunks, a share's partial groups and
+        # every other reader of these weights
+        packed = torch.empty(lib.qgemm_pack_bytes(out.qtype, q.shape[0], q.shape[1]), dtype=torch.uint8)
         if lib.qgemm_pack(out.qtype, q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1],
                           packed.data_ptr()) == 0:
             keep.append(packed)

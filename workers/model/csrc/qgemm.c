@@ -7,10 +7,10 @@
 //
 // Two layouts of the quantized activations, chosen by the row count:
 //  - M < QG_INTER_MIN (QG_PACKED_INTER_MIN where every weight has a repacked copy):
-//    row-major. With a copy (Q4_0, Q4_1, Q8_0: qgemm_pack, made once at load by the decode
-//    step) 8 weight rows are interleaved 4 bytes at a time, so each lane is one output row
-//    and each activation row's 4-byte slices are broadcast to meet 8 weight rows in one
-//    instruction; without one (K-quants, rows of a group a thread's share cuts) a weight
+//    row-major. With a copy (Q4_0, Q4_1, Q8_0, Q4_K: qgemm_pack, made once at load by the
+//    decode step) 8 weight rows are interleaved 4 bytes at a time, so each lane is one output
+//    row and each activation row's 4-byte slices are broadcast to meet 8 weight rows in one
+//    instruction; without one (Q6_K, rows of a group a thread's share cuts) a weight
 //    block is unpacked once and meets each row's 32 bytes in one vector, then 8 blocks'
 //    dots are reduced across lanes.
 //  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
@@ -80,7 +80,16 @@ static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 
 // mins) before its quants, and its 4-byte words of quants per row.
 static inline int64_t qg_pk_hdr(int qtype) { return qtype == QG_Q4_1 ? 32 : 16; }
 static inline int qg_pk_words(int qtype) { return qtype == QG_Q8_0 ? 8 : 4; }
-static inline int qg_packable(int qtype) { return qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0; }
+static inline int qg_packable(int qtype) {
+    return qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0 || qtype == QG_Q4_K;
+}
+// Q4_K repacked: per 8 rows and super-block, their d and dmin (f16), then per 32-weight
+// slice their 6-bit scales and mins as bytes and the Q4 vectors: 148 bytes a row per
+// super-block (the original's 144, its scales unpacked); a row's bytes in the copy.
+enum { QG_PK_K4_SB = 8 * 148, QG_PK_K4_HDR = 32, QG_PK_K4_SLICE = 16 + 128 };
+static inline int64_t qg_pk_row_bytes(int qtype, int64_t K, int64_t row_bytes) {
+    return qtype == QG_Q4_K ? K / QG_QKK * 148 : row_bytes;
+}
 static int qg_block_size(int qtype) { return qtype == QG_Q4_K || qtype == QG_Q6_K ? QG_QKK : QG_QK; }
 
 static inline uint16_t qg_rd16(const uint8_t *p) {
@@ -767,10 +776,13 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
     }
 }
 
-// Q4_0 / Q4_1 / Q8_0 weights repacked once at load (qgemm_pack) for the few-row path: per 8
-// consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
+// Q4_0 / Q4_1 / Q8_0 / Q4_K weights repacked once at load (qgemm_pack) for the few-row path:
+// per 8 consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
 // whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
 // nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
+// Q4_K: per super-block the 8 rows' d and dmin, then per 32-weight slice the rows' 6-bit
+// scales and mins as bytes (ws = d * sc and coef = -(dmin * mn) are formed as qg_scalars
+// forms them) and the slice's weights re-nibbled into Q4's vectors.
 // Lane r of every vector is then output row n + r: each activation row's 4-byte slices are
 // broadcast and meet 8 weight rows per instruction, with no horizontal sums and nothing
 // transposed per step. Each lane adds v_b into P_{b mod 8} in order of b and ends with the
@@ -780,16 +792,28 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
                                                                   int64_t ldo, int64_t n, const int MR) {
     const int64_t blk = 8 * (qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34), hdr = qg_pk_hdr(qtype);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256 neg = _mm256_set1_ps(-0.0f);
     __m256 part[QG_SMALL_MAX][8];
     for (int m = 0; m < MR; ++m)
         for (int j = 0; j < 8; ++j) part[m][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; ++b) {
         const uint8_t *p = gp + b * blk;
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        const __m256 coef = qtype == QG_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
-                            : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
-                                               : _mm256_setzero_ps();
-        const __m256i *wq = (const __m256i *)(p + hdr);
+        __m256 ws, coef;
+        const __m256i *wq;
+        if (qtype == QG_Q4_K) {  // as qg_scalars: d * sc, -(dmin * mn)
+            const uint8_t *sb = gp + (b / 8) * QG_PK_K4_SB, *sl = sb + QG_PK_K4_HDR + (b % 8) * QG_PK_K4_SLICE;
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sl)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sl + 8))));
+            ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), sc);
+            coef = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))), mn), neg);
+            wq = (const __m256i *)(sl + 16);
+        } else {
+            ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+            coef = qtype == QG_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                   : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
+                                      : _mm256_setzero_ps();
+            wq = (const __m256i *)(p + hdr);
+        }
         __m256i u[8];
         if (qtype == QG_Q8_0) {
             for (int g = 0; g < 8; ++g) u[g] = _mm256_abs_epi8(_mm256_loadu_si256(wq + g));
@@ -873,8 +897,9 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
         const int64_t g0 = (n0 + 7) / 8, g1 = n1 / 8;
         if (g0 < g1) {
             qg_rows(qtype, w, NULL, n0, 8 * g0, row_bytes, a, out, ldo);
+            const int64_t pk_bytes = qg_pk_row_bytes(qtype, a->K, row_bytes);
             for (int64_t g = g0; g < g1; ++g) {
-                const uint8_t *gp = wp + g * 8 * row_bytes;
+                const uint8_t *gp = wp + g * 8 * pk_bytes;
                 if (a->M == 1) qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, 1);  // batch-1 decode
                 else qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, (int)a->M);
             }
@@ -950,11 +975,35 @@ int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_byte
     return qg_gemm(qtype, w, NULL, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_INTER_MIN);
 }
 
-// Repack Q4_0 / Q4_1 / Q8_0 rows for the few-row path (qg_rows8_packed's layout, the same
-// bytes in all): out has N x row_bytes bytes. Returns 0, or -1 for another type, a bad
+// Repack Q4_0 / Q4_1 / Q8_0 / Q4_K rows for the few-row path (qg_rows8_packed's layout):
+// out has qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 a row per super-block, the
+// others' as many as the original). Returns 0, or -1 for another type, a bad
 // shape or N not a multiple of 8.
 int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
     if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
+    if (qtype == QG_Q4_K) {
+        for (int64_t g = 0; g < N / 8; ++g)
+            for (int64_t sb = 0; sb < K / QG_QKK; ++sb) {
+                uint8_t *o = out + g * 8 * qg_pk_row_bytes(qtype, K, row_bytes) + sb * QG_PK_K4_SB;
+                for (int r = 0; r < 8; ++r) {
+                    const uint8_t *src = w + (g * 8 + r) * row_bytes + sb * 144;
+                    memcpy(o + 2 * r, src, 2);       // d
+                    memcpy(o + 16 + 2 * r, src + 2, 2);  // dmin
+                    for (int j = 0; j < 8; ++j) {
+                        uint8_t *sl = o + QG_PK_K4_HDR + j * QG_PK_K4_SLICE;
+                        qg_k4_scale_min(j, src + 4, sl + r, sl + 8 + r);
+                        // slice j's 32 weights, as Q4_0's bytes: weight i low, i + 16 high
+                        const uint8_t *qs = src + 16 + (j / 2) * 32;
+                        uint8_t v[32];
+                        for (int i = 0; i < 32; ++i) v[i] = (qs[i] >> ((j % 2) * 4)) & 0x0F;
+                        for (int h = 0; h < 4; ++h)
+                            for (int i = 0; i < 4; ++i)
+                                sl[16 + 32 * h + 4 * r + i] = (uint8_t)(v[4 * h + i] | (v[16 + 4 * h + i] << 4));
+                    }
+                }
+            }
+        return 0;
+    }
     const int64_t nb = K / QG_QK, bs = qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
     const int nw = qg_pk_words(qtype);
     const int64_t off = bs - 4 * nw;  // the quants follow the block's scale (and min)
@@ -969,6 +1018,12 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
             }
         }
     return 0;
+}
+
+// The bytes qgemm_pack writes for N rows (-1: a type it does not repack).
+int64_t qgemm_pack_bytes(int qtype, int64_t N, int64_t K) {
+    if (!qg_packable(qtype) || qg_block_bytes(qtype) < 0 || K % qg_block_size(qtype)) return -1;
+    return N * qg_pk_row_bytes(qtype, K, K / qg_block_size(qtype) * qg_block_bytes(qtype));
 }
 
 // qgemm_q8 with the repacked copy wp of w (qgemm_pack) beside it, as the decode step of a
