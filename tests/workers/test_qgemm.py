@@ -149,12 +149,12 @@ def _packed(lib, qw: QuantizedWeight, x: torch.Tensor, threads: int,
     return out
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
-    """Q4_0 / Q4_1 / Q8_0 / Q4_K weights repacked 8 rows at a time (the decode step's copy):
-    every row's bits equal the scalar reference's on the original layout, with 1-3 threads
-    whose shares of 40 rows end inside a group of 8 (those rows read the original), K with
-    and without a partial chunk of blocks (Q4_K: 1-3 super-blocks), on this host's build and
+    """Weights repacked 8 rows at a time (the decode step's copy), every type: every row's
+    bits equal the scalar reference's on the original layout, with 1-3 threads whose shares
+    of 40 rows end inside a group of 8 (those rows read the original), K with and without a
+    partial chunk of blocks (K-quants: 1-3 super-blocks), on this host's build and
     the VNNI build's code; up to
     64 rows row-major (a model whose weights all have the copy), 65 the interleaved path and
     the original rows."""
@@ -162,7 +162,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     if lib.qgemm_simd_level() == 1:
         builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
     rng = np.random.default_rng([*qtype.encode(), 6])
-    for k in (256, 512, 768) if qtype == "Q4_K" else (160, 256, 576):
+    for k in (256, 512, 768) if qtype in ("Q4_K", "Q6_K") else (160, 256, 576):
         raw = random_blocks(qtype, 40, k, rng)
         qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
         w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
@@ -177,7 +177,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
                     assert torch.equal(_packed(b, qw, x, threads), want), (k, m, threads)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
 def test_the_repacked_copy_is_what_whole_groups_read(lib, qtype: str) -> None:
     """With the copy zeroed, the rows of whole groups of 8 come out zero and the rows of a
     share's partial groups (3 threads over 40 rows: 0-12, 13-25, 26-39) keep their values:
@@ -203,12 +203,16 @@ def test_the_repacked_copy_is_what_whole_groups_read(lib, qtype: str) -> None:
 
 def test_repacking_refuses_what_it_cannot_lay_out(lib) -> None:
     rng = np.random.default_rng(8)
-    for qtype, n in (("Q4_1", 37), ("Q8_0", 36), ("Q4_K", 44), ("Q6_K", 40)):
+    for qtype, n in (("Q4_1", 37), ("Q8_0", 36), ("Q4_K", 44), ("Q6_K", 44)):
         k = 256
         raw = torch.from_numpy(random_blocks(qtype, n, k, rng))
         out = torch.empty(2 * raw.numel(), dtype=torch.uint8)
         assert lib.qgemm_pack(QTYPES[qtype][0], raw.data_ptr(), n, k, raw.shape[1], out.data_ptr()) == -1
-    assert lib.qgemm_pack_bytes(QTYPES["Q6_K"][0], 40, 256) == -1
+    raw = torch.from_numpy(random_blocks("Q4_1", 40, 256, rng))
+    out = torch.empty_like(raw)
+    assert lib.qgemm_pack(99, raw.data_ptr(), 40, 256, raw.shape[1], out.data_ptr()) == -1
+    assert lib.qgemm_pack_bytes(99, 40, 256) == -1
+    assert lib.qgemm_pack_bytes(QTYPES["Q6_K"][0], 40, 512) == 40 * 2 * 210
     # Q4_K's copy unpacks each row's 12 bytes of 6-bit scales: 148 bytes a super-block
     assert lib.qgemm_pack_bytes(QTYPES["Q4_K"][0], 40, 512) == 40 * 2 * 148
     assert lib.qgemm_pack_bytes(QTYPES["Q4_1"][0], 40, 512) == 40 * 16 * 20

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # weight types the int8 step also keeps repacked for its few-row path (csrc/qgemm.c)
-PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 class _Lin(ctypes.Structure):

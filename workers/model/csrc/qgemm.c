@@ -7,10 +7,10 @@
 //
 // Two layouts of the quantized activations, chosen by the row count:
 //  - M < QG_INTER_MIN (QG_PACKED_INTER_MIN where every weight has a repacked copy):
-//    row-major. With a copy (Q4_0, Q4_1, Q8_0, Q4_K: qgemm_pack, made once at load by the
-//    decode step) 8 weight rows are interleaved 4 bytes at a time, so each lane is one output
-//    row and each activation row's 4-byte slices are broadcast to meet 8 weight rows in one
-//    instruction; without one (Q6_K, rows of a group a thread's share cuts) a weight
+//    row-major. With a copy (every type: qgemm_pack, made once at load by the decode step)
+//    8 weight rows are interleaved 4 bytes at a time, so each lane is one output row and
+//    each activation row's 4-byte slices are broadcast to meet 8 weight rows in one
+//    instruction; without one (the rows of a group a thread's share cuts) a weight
 //    block is unpacked once and meets each row's 32 bytes in one vector, then 8 blocks'
 //    dots are reduced across lanes.
 //  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
@@ -81,12 +81,17 @@ static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 
 static inline int64_t qg_pk_hdr(int qtype) { return qtype == QG_Q4_1 ? 32 : 16; }
 static inline int qg_pk_words(int qtype) { return qtype == QG_Q8_0 ? 8 : 4; }
 static inline int qg_packable(int qtype) {
-    return qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0 || qtype == QG_Q4_K;
+    return qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0 || qtype == QG_Q4_K || qtype == QG_Q6_K;
 }
 // Q4_K repacked: per 8 rows and super-block, their d and dmin (f16), then per 32-weight
 // slice their 6-bit scales and mins as bytes and the Q4 vectors: 148 bytes a row per
 // super-block (the original's 144, its scales unpacked); a row's bytes in the copy.
 enum { QG_PK_K4_SB = 8 * 148, QG_PK_K4_HDR = 32, QG_PK_K4_SLICE = 16 + 128 };
+// Q6_K repacked: per 8 rows and super-block, their d (f16), then per 32-weight slice the
+// rows' two 16-weight scales (int8), the low 4 bits of the weights as Q4's vectors and
+// their top 2 bits in two vectors (vector q, lane r, byte i: weights 4q + i, 8 + 4q + i,
+// 16 + 4q + i and 24 + 4q + i at bits 0, 2, 4 and 6): 210 bytes a row, as the original.
+enum { QG_PK_K6_SB = 8 * 210, QG_PK_K6_HDR = 16, QG_PK_K6_SLICE = 16 + 128 + 64 };
 static inline int64_t qg_pk_row_bytes(int qtype, int64_t K, int64_t row_bytes) {
     return qtype == QG_Q4_K ? K / QG_QKK * 148 : row_bytes;
 }
@@ -776,13 +781,15 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
     }
 }
 
-// Q4_0 / Q4_1 / Q8_0 / Q4_K weights repacked once at load (qgemm_pack) for the few-row path:
+// Weights repacked once at load (qgemm_pack) for the few-row path:
 // per 8 consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
 // whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
 // nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
 // Q4_K: per super-block the 8 rows' d and dmin, then per 32-weight slice the rows' 6-bit
 // scales and mins as bytes (ws = d * sc and coef = -(dmin * mn) are formed as qg_scalars
-// forms them) and the slice's weights re-nibbled into Q4's vectors.
+// forms them) and the slice's weights re-nibbled into Q4's vectors. Q6_K (QG_PK_K6_*): the
+// low 4 bits as Q4's vectors, the top 2 in two more, and the rows' 16-weight scales, which
+// scale the integer dot's halves per lane.
 // Lane r of every vector is then output row n + r: each activation row's 4-byte slices are
 // broadcast and meet 8 weight rows per instruction, with no horizontal sums and nothing
 // transposed per step. Each lane adds v_b into P_{b mod 8} in order of b and ends with the
@@ -798,9 +805,23 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
         for (int j = 0; j < 8; ++j) part[m][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; ++b) {
         const uint8_t *p = gp + b * blk;
-        __m256 ws, coef;
+        __m256 ws, coef, coef1 = _mm256_setzero_ps();
+        __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
         const __m256i *wq;
-        if (qtype == QG_Q4_K) {  // as qg_scalars: d * sc, -(dmin * mn)
+        if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales, -32 * d * sc
+            const uint8_t *sb = gp + (b / 8) * QG_PK_K6_SB, *sl = sb + QG_PK_K6_HDR + (b % 8) * QG_PK_K6_SLICE;
+            ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+            sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sl));
+            sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sl + 8)));
+            const __m256 d32 = _mm256_mul_ps(_mm256_set1_ps(-32.f), ws);
+            coef = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc0));
+            coef1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc1));
+#ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
+            sc0 = _mm256_or_si256(_mm256_and_si256(sc0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc0, 16));
+            sc1 = _mm256_or_si256(_mm256_and_si256(sc1, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc1, 16));
+#endif
+            wq = (const __m256i *)(sl + 16);
+        } else if (qtype == QG_Q4_K) {  // as qg_scalars: d * sc, -(dmin * mn)
             const uint8_t *sb = gp + (b / 8) * QG_PK_K4_SB, *sl = sb + QG_PK_K4_HDR + (b % 8) * QG_PK_K4_SLICE;
             const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sl)));
             const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sl + 8))));
@@ -817,6 +838,17 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
         __m256i u[8];
         if (qtype == QG_Q8_0) {
             for (int g = 0; g < 8; ++g) u[g] = _mm256_abs_epi8(_mm256_loadu_si256(wq + g));
+        } else if (qtype == QG_Q6_K) {
+            const __m256i m2 = _mm256_set1_epi8(0x03), hq[2] = {_mm256_loadu_si256(wq + 4), _mm256_loadu_si256(wq + 5)};
+            for (int h = 0; h < 4; ++h) {
+                const __m256i v = _mm256_loadu_si256(wq + h);
+                u[h] = _mm256_and_si256(v, m4);
+                u[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for (int g = 0; g < 8; ++g) {  // weights 4g..4g+3: bits 2 * (g / 2) of vector g % 2
+                const __m256i t = _mm256_and_si256(_mm256_srli_epi16(hq[g % 2], 2 * (g / 2)), m2);
+                u[g] = _mm256_or_si256(u[g], _mm256_slli_epi16(t, 4));
+            }
         } else {
             for (int h = 0; h < 4; ++h) {
                 const __m256i v = _mm256_loadu_si256(wq + h);
@@ -836,13 +868,35 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
                     acc = _mm256_add_epi32(acc, QG_ACC_I32(_mm256_maddubs_epi16(u[g], sx)));
 #endif
                 }
+            } else if (qtype == QG_Q6_K) {  // 2 x 2 products of 6 bits fill 16 bits
+                __m256i h[2];
+                for (int k = 0; k < 2; ++k) {
+                    const __m256i sc = k ? sc1 : sc0;
+#ifdef QG_VNNI
+                    __m256i p = _mm256_setzero_si256();
+                    for (int g = 4 * k; g < 4 * k + 4; ++g) p = QG_DPBUSD(p, u[g], qg_bcast4(x + 4 * g));
+                    h[k] = _mm256_mullo_epi32(p, sc);
+#else
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * k], qg_bcast4(x + 16 * k)),
+                                                       _mm256_maddubs_epi16(u[4 * k + 1], qg_bcast4(x + 16 * k + 4)));
+                    const __m256i r = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * k + 2], qg_bcast4(x + 16 * k + 8)),
+                                                       _mm256_maddubs_epi16(u[4 * k + 3], qg_bcast4(x + 16 * k + 12)));
+                    h[k] = _mm256_add_epi32(_mm256_madd_epi16(p, sc), _mm256_madd_epi16(r, sc));
+#endif
+                }
+                acc = _mm256_add_epi32(h[0], h[1]);
             } else {  // 8 x 2 products of 4 bits: within 16 bits
                 for (int g = 0; g < 8; ++g) acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
                 acc = QG_ACC_I32(acc);
             }
             const int64_t f = m * a->nb + b;
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ws, _mm256_set1_ps(a->d[f])));
-            if (qtype != QG_Q8_0) v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s[f]), v);
+            if (qtype == QG_Q6_K) {
+                v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s0[f]), v);
+                v = _mm256_fmadd_ps(coef1, _mm256_set1_ps(a->s1[f]), v);
+            } else if (qtype != QG_Q8_0) {
+                v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s[f]), v);
+            }
             part[m][b % 8] = _mm256_add_ps(part[m][b % 8], v);
         }
     }
@@ -975,10 +1029,10 @@ int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_byte
     return qg_gemm(qtype, w, NULL, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_INTER_MIN);
 }
 
-// Repack Q4_0 / Q4_1 / Q8_0 / Q4_K rows for the few-row path (qg_rows8_packed's layout):
-// out has qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 a row per super-block, the
-// others' as many as the original). Returns 0, or -1 for another type, a bad
-// shape or N not a multiple of 8.
+// Repack rows of any type for the few-row path (qg_rows8_packed's layout): out has
+// qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 a row per super-block, the others' as
+// many as the original). Returns 0, or -1 for an unknown type, a bad shape or N not a
+// multiple of 8.
 int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
     if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
     if (qtype == QG_Q4_K) {
@@ -999,6 +1053,36 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
                         for (int h = 0; h < 4; ++h)
                             for (int i = 0; i < 4; ++i)
                                 sl[16 + 32 * h + 4 * r + i] = (uint8_t)(v[4 * h + i] | (v[16 + 4 * h + i] << 4));
+                    }
+                }
+            }
+        return 0;
+    }
+    if (qtype == QG_Q6_K) {
+        for (int64_t g = 0; g < N / 8; ++g)
+            for (int64_t sb = 0; sb < K / QG_QKK; ++sb) {
+                uint8_t *o = out + g * 8 * row_bytes + sb * QG_PK_K6_SB;
+                for (int r = 0; r < 8; ++r) {
+                    const uint8_t *blk = w + (g * 8 + r) * row_bytes + sb * 210;
+                    memcpy(o + 2 * r, blk + 208, 2);  // d
+                    for (int j = 0; j < 8; ++j) {
+                        uint8_t *sl = o + QG_PK_K6_HDR + j * QG_PK_K6_SLICE;
+                        sl[r] = blk[192 + 2 * j];  // the slice's two 16-weight scales
+                        sl[8 + r] = blk[192 + 2 * j + 1];
+                        const int h = j / 4, a = j % 4;  // as qg_wvec
+                        const uint8_t *ql = blk + 64 * h + 32 * (a % 2), *qh = blk + 128 + 32 * h;
+                        uint8_t v[32];
+                        for (int i = 0; i < 32; ++i)
+                            v[i] = (uint8_t)(((ql[i] >> ((a / 2) * 4)) & 0x0F) | (((qh[i] >> (2 * a)) & 3) << 4));
+                        for (int q = 0; q < 4; ++q)
+                            for (int i = 0; i < 4; ++i)
+                                sl[16 + 32 * q + 4 * r + i] = (uint8_t)((v[4 * q + i] & 0x0F) | ((v[16 + 4 * q + i] & 0x0F) << 4));
+                        for (int q = 0; q < 2; ++q)
+                            for (int i = 0; i < 4; ++i) {
+                                uint8_t hb = 0;
+                                for (int k = 0; k < 4; ++k) hb |= (uint8_t)((v[8 * k + 4 * q + i] >> 4) << (2 * k));
+                                sl[144 + 32 * q + 4 * r + i] = hb;
+                            }
                     }
                 }
             }
