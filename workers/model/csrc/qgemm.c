@@ -908,6 +908,18 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
     }
 }
 
+// Groups g0..g1-1 of 8 weight rows from the repacked copy.
+static inline __attribute__((always_inline)) void qg_groups_packed(const int qtype, const uint8_t *wp,
+                                                                   int64_t g0, int64_t g1, int64_t row_bytes,
+                                                                   const qg_act *a, float *out, int64_t ldo) {
+    const int64_t pk_bytes = qg_pk_row_bytes(qtype, a->K, row_bytes);
+    for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t *gp = wp + g * 8 * pk_bytes;
+        if (a->M == 1) qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, 1);  // batch-1 decode
+        else qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, (int)a->M);
+    }
+}
+
 static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype, const uint8_t *w,
                                                                  int64_t n0, int64_t n1, int64_t row_bytes,
                                                                  const qg_act *a, float *out, int64_t ldo) {
@@ -951,11 +963,12 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
         const int64_t g0 = (n0 + 7) / 8, g1 = n1 / 8;
         if (g0 < g1) {
             qg_rows(qtype, w, NULL, n0, 8 * g0, row_bytes, a, out, ldo);
-            const int64_t pk_bytes = qg_pk_row_bytes(qtype, a->K, row_bytes);
-            for (int64_t g = g0; g < g1; ++g) {
-                const uint8_t *gp = wp + g * 8 * pk_bytes;
-                if (a->M == 1) qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, 1);  // batch-1 decode
-                else qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, (int)a->M);
+            switch (qtype) {  // each type's loop compiled on its own
+            case QG_Q4_0: qg_groups_packed(QG_Q4_0, wp, g0, g1, row_bytes, a, out, ldo); break;
+            case QG_Q4_1: qg_groups_packed(QG_Q4_1, wp, g0, g1, row_bytes, a, out, ldo); break;
+            case QG_Q8_0: qg_groups_packed(QG_Q8_0, wp, g0, g1, row_bytes, a, out, ldo); break;
+            case QG_Q4_K: qg_groups_packed(QG_Q4_K, wp, g0, g1, row_bytes, a, out, ldo); break;
+            default: qg_groups_packed(QG_Q6_K, wp, g0, g1, row_bytes, a, out, ldo); break;
             }
             qg_rows(qtype, w, NULL, 8 * g1, n1, row_bytes, a, out, ldo);
             return;
