@@ -243,6 +243,32 @@ def test_prompt_rows_one_by_one_only_with_8_bit_matmuls(lib, smol) -> None:
     assert not _runner(smol, False, quantized_decode=False).attn.prefill_rows
 
 
+def test_without_memory_for_the_copy_the_step_runs_on_the_original_blocks(lib, smol,
+                                                                          monkeypatch) -> None:
+    """Repacked copies that would take more than half the available memory are not made:
+    the engine still runs the one-call step, says why it has no copy, and its logits are the
+    same bits as with the copy."""
+    from kvserve.workers.model import cpu_decode
+
+    with_copy = _runner(smol, True, cpu_matmul="int8")
+    need = with_copy.model.cpu_step.repacked_bytes
+    assert 91 * 2**20 <= need <= 93 * 2**20  # the default model's Q4_1 layers and Q8_0 head
+    assert with_copy.runtime["decode_step"] == "one C call per decode step"
+    monkeypatch.setattr(cpu_decode, "available_memory", lambda: 2 * need - 1)
+    without = _runner(smol, True, cpu_matmul="int8")
+    step = without.model.cpu_step
+    assert step.repacked_bytes == 0 and step.model.all_packed == 0
+    assert step.layers[0].qkv.wp is None and step.model.head.wp is None
+    assert "without repacked weights" in without.runtime["decode_step"]
+    assert "more than half the memory available" in step.repack_skipped
+    g = torch.Generator().manual_seed(11)
+    prompts = {f"s{i}": torch.randint(100, 40000, (6 + i,), generator=g).tolist() for i in range(5)}
+    for a, b in zip(_decode(with_copy, prompts, 3), _decode(without, prompts, 3), strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(cpu_decode, "available_memory", lambda: 2 * need)
+    assert _runner(smol, True, cpu_matmul="int8").model.cpu_step.model.all_packed == 1
+
+
 def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
     """Q4_K / Q6_K weights (hidden 256: whole super-blocks) keep their raw rows, dequantize
     as gguf does, and decode in the one-call step close to the float32 weights. Their

@@ -12,6 +12,7 @@ runs the layers op by op, with the same matmul kernels.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,9 +26,14 @@ if TYPE_CHECKING:
     from kvserve.workers.model.attention import AttentionMetadata
     from kvserve.workers.model.layers.decoder import DecoderModel
 
+log = logging.getLogger(__name__)
+
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # weight types the int8 step also keeps repacked for its few-row path (csrc/qgemm.c)
 PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# the copies are made only when they take at most this share of the memory available then:
+# a model that fits but whose copy would not still loads (slower steps of 2-64 rows)
+COPY_MEMORY_SHARE = 0.5
 
 
 class _Lin(ctypes.Structure):
@@ -67,14 +73,28 @@ class CpuDecodeStep:
         if self.why_not is not None:
             return
         cfg = model.cfg
+        linears = [model.lm_head, *(lin for ly in model.layers
+                                    for lin in (ly.attn.qkv, ly.attn.o, ly.mlp.gate_up, ly.mlp.down))]
+        # the repacked copies' bytes, and whether they are made (`repack_skipped`: why not)
+        need = 0 if exact else sum(_repacked_bytes(lin, lib) for lin in linears)
+        self.repack_skipped: str | None = None
+        avail = available_memory()
+        if need and avail is not None and need > COPY_MEMORY_SHARE * avail:
+            self.repack_skipped = (f"the repacked weights ({need / 2**20:.0f} MiB) would take more "
+                                   f"than half the memory available ({avail / 2**20:.0f} MiB)")
+            log.warning("decode step without repacked weights: %s; steps of 2-64 rows run slower",
+                        self.repack_skipped)
+            need = 0
+        self.repacked_bytes = need
+        pack = bool(need)
         keep: list[Any] = []  # tensors whose pointers the structures hold
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.attn, layer.mlp
             assert isinstance(mlp, GatedMLP)
             ly = layers[i]
-            ly.qkv, ly.o = _lin(attn.qkv, keep, lib, exact), _lin(attn.o, keep, lib, exact)
-            ly.gate_up, ly.down = _lin(mlp.gate_up, keep, lib, exact), _lin(mlp.down, keep, lib, exact)
+            ly.qkv, ly.o = _lin(attn.qkv, keep, lib, pack), _lin(attn.o, keep, lib, pack)
+            ly.gate_up, ly.down = _lin(mlp.gate_up, keep, lib, pack), _lin(mlp.down, keep, lib, pack)
             for field in ("in_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm"):
                 norm = getattr(layer, field.replace("in_norm", "input_norm"))
                 setattr(ly, field, _ptr(norm.weight) if norm is not None else None)
@@ -95,7 +115,7 @@ class CpuDecodeStep:
         m.exact = int(exact)
         m.eps = model.norm.eps
         m.final_norm = model.norm.weight.data_ptr()
-        m.head = _lin(model.lm_head, keep, lib, exact)
+        m.head = _lin(model.lm_head, keep, lib, pack)
         m.layers = ctypes.cast(layers, _p)
         lins = [m.head] + [getattr(ly, f) for ly in layers for f in ("qkv", "o", "gate_up", "down")]
         m.all_packed = int(all(lin.wp for lin in lins))
@@ -169,13 +189,33 @@ def bind_rows(model: DecoderModel, lib: Any) -> None:
                 mlp.lib = lib
 
 
-def _lin(linear: Any, keep: list[Any], lib: Any, exact: bool) -> _Lin:
+def available_memory() -> int | None:
+    """The host's available memory in bytes (MemAvailable), None where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _repacked_bytes(linear: Any, lib: Any) -> int:
+    """The bytes of the repacked copy `_lin` makes of this linear (0: none)."""
+    q = linear.quant
+    if q.qtype not in PACKED_QTYPES or q.shape[0] % 8:
+        return 0
+    return max(0, lib.qgemm_pack_bytes(QTYPES[q.qtype][0], q.shape[0], q.shape[1]))
+
+
+def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
     q = linear.quant
     keep.append(q.data)
     out = _Lin()
     out.w, out.N, out.K, out.row_bytes = q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1]
     out.qtype = QTYPES[q.qtype][0]
-    if not exact and q.qtype in PACKED_QTYPES and q.shape[0] % 8 == 0:
+    if pack and _repacked_bytes(linear, lib):
         # a second copy, repacked 8 rows at a time for steps of up to 64 rows (its memory,
         # Q4_K's 3% more than the original, for 1.2-1.9x there: docs/benchmarks.md, "Small
         # row counts"); the original serves prefill chunks, a share's partial groups and

@@ -88,7 +88,11 @@ def _step_runtime(model: object) -> str | None:
     step = getattr(model, "cpu_step", None)
     if step is None:
         return None
-    return "one C call per decode step" if step.why_not is None else f"op by op: {step.why_not}"
+    if step.why_not is not None:
+        return f"op by op: {step.why_not}"
+    if step.repack_skipped is not None:
+        return f"one C call per decode step, without repacked weights: {step.repack_skipped}"
+    return "one C call per decode step"
 
 
 def context_limit(cfg: ModelConfig, config: EngineConfig) -> int:
