@@ -95,6 +95,17 @@ def _stats(router: Any) -> list[dict[str, float]]:
     return [w["stats"] for w in ray.get(router.server_info.remote())["workers"]]
 
 
+def _stats_when(router: Any, ready: Any) -> list[dict[str, float]]:
+    """The workers' stats once `ready(stats)` holds (or after 30 s): an engine's counters
+    reach the router with its next poll of the workers, not with the request's last token."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _stats(router)
+        if ready(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
 def _wait_clean(router: Any, workers: list[int]) -> None:
     handles = ray.get(router.workers.remote())
     deadline = time.monotonic() + 60
@@ -318,7 +329,7 @@ def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smo
     got, moved = asyncio.run(run())
     assert "error" in moved and moved["returned"], moved
     assert got.token_ids == want[0] and got.worker_id == "worker-0"
-    after = _stats(cluster)
+    after = _stats_when(cluster, lambda s: s[0]["migration_returned"] > before[0]["migration_returned"])
     assert after[2]["migration_failures"] == before[2]["migration_failures"] + 1
     assert after[0]["migration_returned"] == before[0]["migration_returned"] + 1
     _wait_clean(cluster, [0, 1])
@@ -398,7 +409,7 @@ def test_pressured_worker_moves_running_streams_live(cluster, svc, smol_llm):
     assert held["running"] < load["running"], (load, held)  # streams left while it was held
     assert [r.token_ids for r in got] == want
     assert sum(r.worker_id != "worker-0" for r in got) >= 1
-    after = _stats(cluster)
+    after = _stats_when(cluster, lambda s: s[0]["migration_moved_out"] > before[0]["migration_moved_out"])
     assert after[0]["migration_moved_out"] > before[0]["migration_moved_out"]
     _wait_clean(cluster, [0, 1])  # (worker 2 was stopped for good above)
     _wait_no_inflight(cluster)
