@@ -215,12 +215,13 @@ def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
     out = _Lin()
     out.w, out.N, out.K, out.row_bytes = q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1]
     out.qtype = QTYPES[q.qtype][0]
-    if pack and _repacked_bytes(linear, lib):
+    size = _repacked_bytes(linear, lib) if pack else 0
+    if size:
         # a second copy, repacked 8 rows at a time for steps of up to 64 rows (its memory,
         # Q4_K's 3% more than the original, for 1.2-1.9x there: docs/benchmarks.md, "Small
         # row counts"); the original serves prefill chunks, a share's partial groups and
         # every other reader of these weights
-        packed = torch.empty(lib.qgemm_pack_bytes(out.qtype, q.shape[0], q.shape[1]), dtype=torch.uint8)
+        packed = torch.empty(size, dtype=torch.uint8)
         if lib.qgemm_pack(out.qtype, q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1],
                           packed.data_ptr()) == 0:
             keep.append(packed)

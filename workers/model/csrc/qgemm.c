@@ -1048,52 +1048,37 @@ int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_byte
 // multiple of 8.
 int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
     if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
-    if (qtype == QG_Q4_K) {
+    if (qtype == QG_Q4_K || qtype == QG_Q6_K) {
+        const int k4 = qtype == QG_Q4_K;
+        const int64_t sbb = k4 ? QG_PK_K4_SB : QG_PK_K6_SB, hdr = k4 ? QG_PK_K4_HDR : QG_PK_K6_HDR;
+        const int64_t slb = k4 ? QG_PK_K4_SLICE : QG_PK_K6_SLICE, pkr = qg_pk_row_bytes(qtype, K, row_bytes);
         for (int64_t g = 0; g < N / 8; ++g)
             for (int64_t sb = 0; sb < K / QG_QKK; ++sb) {
-                uint8_t *o = out + g * 8 * qg_pk_row_bytes(qtype, K, row_bytes) + sb * QG_PK_K4_SB;
+                uint8_t *o = out + g * 8 * pkr + sb * sbb;
                 for (int r = 0; r < 8; ++r) {
-                    const uint8_t *src = w + (g * 8 + r) * row_bytes + sb * 144;
-                    memcpy(o + 2 * r, src, 2);       // d
-                    memcpy(o + 16 + 2 * r, src + 2, 2);  // dmin
+                    const uint8_t *row = w + (g * 8 + r) * row_bytes, *blk = row + sb * qg_block_bytes(qtype);
+                    memcpy(o + 2 * r, k4 ? blk : blk + 208, 2);        // d
+                    if (k4) memcpy(o + 16 + 2 * r, blk + 2, 2);  // dmin
                     for (int j = 0; j < 8; ++j) {
-                        uint8_t *sl = o + QG_PK_K4_HDR + j * QG_PK_K4_SLICE;
-                        qg_k4_scale_min(j, src + 4, sl + r, sl + 8 + r);
-                        // slice j's 32 weights, as Q4_0's bytes: weight i low, i + 16 high
-                        const uint8_t *qs = src + 16 + (j / 2) * 32;
-                        uint8_t v[32];
-                        for (int i = 0; i < 32; ++i) v[i] = (qs[i] >> ((j % 2) * 4)) & 0x0F;
+                        uint8_t *sl = o + hdr + j * slb;
+                        qg_wblk wb;  // the slice's weights (0-15 or 0-63) and scales
+                        qg_decode(qtype, row, sb * 8 + j, &wb);
+                        if (k4) {
+                            qg_k4_scale_min(j, blk + 4, sl + r, sl + 8 + r);
+                        } else {
+                            sl[r] = (uint8_t)wb.sc16[0];
+                            sl[8 + r] = (uint8_t)wb.sc16[1];
+                        }
+                        // the low 4 bits as Q4_0's bytes: weight i low, i + 16 high
                         for (int h = 0; h < 4; ++h)
                             for (int i = 0; i < 4; ++i)
-                                sl[16 + 32 * h + 4 * r + i] = (uint8_t)(v[4 * h + i] | (v[16 + 4 * h + i] << 4));
-                    }
-                }
-            }
-        return 0;
-    }
-    if (qtype == QG_Q6_K) {
-        for (int64_t g = 0; g < N / 8; ++g)
-            for (int64_t sb = 0; sb < K / QG_QKK; ++sb) {
-                uint8_t *o = out + g * 8 * row_bytes + sb * QG_PK_K6_SB;
-                for (int r = 0; r < 8; ++r) {
-                    const uint8_t *blk = w + (g * 8 + r) * row_bytes + sb * 210;
-                    memcpy(o + 2 * r, blk + 208, 2);  // d
-                    for (int j = 0; j < 8; ++j) {
-                        uint8_t *sl = o + QG_PK_K6_HDR + j * QG_PK_K6_SLICE;
-                        sl[r] = blk[192 + 2 * j];  // the slice's two 16-weight scales
-                        sl[8 + r] = blk[192 + 2 * j + 1];
-                        const int h = j / 4, a = j % 4;  // as qg_wvec
-                        const uint8_t *ql = blk + 64 * h + 32 * (a % 2), *qh = blk + 128 + 32 * h;
-                        uint8_t v[32];
-                        for (int i = 0; i < 32; ++i)
-                            v[i] = (uint8_t)(((ql[i] >> ((a / 2) * 4)) & 0x0F) | (((qh[i] >> (2 * a)) & 3) << 4));
-                        for (int q = 0; q < 4; ++q)
-                            for (int i = 0; i < 4; ++i)
-                                sl[16 + 32 * q + 4 * r + i] = (uint8_t)((v[4 * q + i] & 0x0F) | ((v[16 + 4 * q + i] & 0x0F) << 4));
-                        for (int q = 0; q < 2; ++q)
+                                sl[16 + 32 * h + 4 * r + i] =
+                                    (uint8_t)((wb.u[4 * h + i] & 0x0F) | ((wb.u[16 + 4 * h + i] & 0x0F) << 4));
+                        if (k4) continue;
+                        for (int q = 0; q < 2; ++q)  // Q6_K's top 2 bits
                             for (int i = 0; i < 4; ++i) {
                                 uint8_t hb = 0;
-                                for (int k = 0; k < 4; ++k) hb |= (uint8_t)((v[8 * k + 4 * q + i] >> 4) << (2 * k));
+                                for (int k = 0; k < 4; ++k) hb |= (uint8_t)((wb.u[8 * k + 4 * q + i] >> 4) << (2 * k));
                                 sl[144 + 32 * q + 4 * r + i] = hb;
                             }
                     }
