@@ -92,8 +92,8 @@ def _assert_int8_close(loaded, streams: int, tol: float) -> None:
 
 def test_int8_step_does_not_depend_on_batch_or_threads(lib, smol) -> None:
     """A stream's logits are the same bits decoded alone, with 8 others (the repacked
-    weights' row-major path), with 64 others (the interleaved layout), beside another
-    stream's prompt chunk (the op-by-op forward) and on one thread: its tokens do not depend
+    weights' row-major path), with 64 others (two passes of rows), beside another
+    stream's prompt chunk (its rows in the same step) and on one thread: its tokens do not depend
     on the load it shares a step with."""
     assert _runner(smol, True, cpu_matmul="int8").model.cpu_step.model.all_packed == 1
     assert _runner(smol, True, cpu_matmul="exact").model.cpu_step.model.all_packed == 0
@@ -247,7 +247,7 @@ def test_without_memory_for_the_copy_the_step_runs_on_the_original_blocks(lib, s
                                                                           monkeypatch) -> None:
     """Repacked copies that would take more than half the available memory are not made:
     the engine still runs the one-call step, says why it has no copy, and its logits are the
-    same bits as with the copy."""
+    same bits as with the copy (9 streams: the interleaved layout without it)."""
     from kvserve.workers.model import cpu_decode
 
     with_copy = _runner(smol, True, cpu_matmul="int8")
@@ -262,19 +262,22 @@ def test_without_memory_for_the_copy_the_step_runs_on_the_original_blocks(lib, s
     assert "without repacked weights" in without.runtime["decode_step"]
     assert "more than half the memory available" in step.repack_skipped
     g = torch.Generator().manual_seed(11)
-    prompts = {f"s{i}": torch.randint(100, 40000, (6 + i,), generator=g).tolist() for i in range(5)}
+    prompts = {f"s{i}": torch.randint(100, 40000, (6 + i,), generator=g).tolist() for i in range(9)}
     for a, b in zip(_decode(with_copy, prompts, 3), _decode(without, prompts, 3), strict=True):
         assert torch.equal(a, b)
     monkeypatch.setattr(cpu_decode, "available_memory", lambda: 2 * need)
     assert _runner(smol, True, cpu_matmul="int8").model.cpu_step.model.all_packed == 1
 
 
-def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
+def test_k_quant_model_runs_in_the_step(lib, tmp_path, monkeypatch) -> None:
     """Q4_K / Q6_K weights (hidden 256: whole super-blocks) keep their raw rows, dequantize
     as gguf does, and decode in the one-call step close to the float32 weights. Their
-    linears get the repacked copy: a stream's logits are the same bits decoded alone (the
-    copy) and beside a prompt chunk (the op-by-op forward, the original blocks)."""
+    linears get the repacked copy: a stream's logits are the same bits decoded alone and
+    beside an 80-token prompt chunk (81 rows: two passes over the copy), and the same bits
+    as an engine's without copies (the original blocks, interleaved rows)."""
     from gguf.quants import dequantize
+
+    from kvserve.workers.model import cpu_decode
 
     hf = make_tiny_hf_model(tmp_path / "k", "llama", seed=8, with_tokenizer=False, hidden_size=256,
                             intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
@@ -293,11 +296,18 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path) -> None:
         toks = torch.randint(100, 40000, (12,), generator=g).tolist()
         forced = [[(13 * i + 5) % 30000 + 100] for i in range(3)]
         alone = _decode(r, {"t": toks}, 3, forced)
-        r.execute([StreamStep("t", toks, len(toks))])
-        toks = [*toks, forced[0][0]]
-        chunk = torch.randint(100, 40000, (40,), generator=g).tolist()
-        _, logits = r.execute([StreamStep("t", toks, len(toks)), StreamStep("p", chunk, 40)])
-        assert torch.equal(logits[0], alone[0][0])
+        chunk = torch.randint(100, 40000, (80,), generator=g).tolist()
+        with monkeypatch.context() as mp:
+            mp.setattr(cpu_decode, "PACKED_QTYPES", ())
+            r0 = _runner(loaded, True, cpu_matmul="int8")
+        assert not r0.model.cpu_step.layers[0].down.wp and r0.model.cpu_step.model.all_packed == 0
+        seen = []
+        for runner in (r, r0):
+            runner.execute([StreamStep("t", toks, len(toks))])
+            steps = [StreamStep("t", [*toks, forced[0][0]], len(toks) + 1), StreamStep("p", chunk, 80)]
+            seen.append(runner.execute(steps)[1])
+        assert torch.equal(seen[0][0], alone[0][0])
+        assert torch.equal(seen[0], seen[1])
 
 
 def test_lora_engine_decodes_op_by_op(lib, smol) -> None:

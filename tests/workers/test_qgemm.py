@@ -155,9 +155,9 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     bits equal the scalar reference's on the original layout, with 1-3 threads whose shares
     of 40 rows end inside a group of 8 (those rows read the original), K with and without a
     partial chunk of blocks (K-quants: 1-3 super-blocks), on this host's build and
-    the VNNI build's code; up to
-    64 rows row-major (a model whose weights all have the copy), 65 the interleaved path and
-    the original rows."""
+    the VNNI build's code; row-major at every row count (a model whose weights all have the
+    copy), past 64 rows in passes of 64 (65: a pass of one row, 129: of one row after two
+    whole passes)."""
     builds = [lib]
     if lib.qgemm_simd_level() == 1:
         builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
@@ -166,7 +166,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
         raw = random_blocks(qtype, 40, k, rng)
         qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
         w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
-        for m in (1, 2, 3, 6, 7, 9, 17, 64, 65):
+        for m in (1, 2, 3, 6, 7, 9, 17, 64, 65, 129):
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
             x[:, 3] *= 40
             want = _ref(lib, qw, x, interleaved=m >= 7)

@@ -14,8 +14,8 @@ rise: (B + gain(D)) / cost(T + D) > B / cost(T). Both sides are measured here:
   probed with one token every `PROBE_EVERY` steps instead.
 - **Cost** (`StepCost`): the step's seconds as a linear model of three measured features:
   the forward time of T rows (timed at start-up, one forward per row count: on the CPU the
-  linears change kernels past 64 rows with `int8` and past 16 with `exact`, so the cost is
-  far from linear in T), the keys the rows' attention reads, and the rows sampled at random. The
+  `int8` linears take rows in passes of 64 and `exact` changes kernels past 16, so the cost
+  is far from linear in T), the keys the rows' attention reads, and the rows sampled at random. The
   weights are fitted online (recursive least squares with forgetting) on the engine's own
   decode steps, so they follow the context lengths and the host as they change.
 

@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# weight types the int8 step also keeps repacked for its few-row path (csrc/qgemm.c)
+# weight types the int8 step also keeps repacked 8 rows at a time (csrc/qgemm.c)
 PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 # the copies are made only when they take at most this share of the memory available then:
-# a model that fits but whose copy would not still loads (slower steps of 2-64 rows)
+# a model that fits but whose copy would not still loads (slower steps and prompt chunks)
 COPY_MEMORY_SHARE = 0.5
 
 
@@ -82,7 +82,7 @@ class CpuDecodeStep:
         if need and avail is not None and need > COPY_MEMORY_SHARE * avail:
             self.repack_skipped = (f"the repacked weights ({need / 2**20:.0f} MiB) would take more "
                                    f"than half the memory available ({avail / 2**20:.0f} MiB)")
-            log.warning("decode step without repacked weights: %s; steps of 2-64 rows run slower",
+            log.warning("decode step without repacked weights: %s; steps of 2+ rows and prompt chunks run slower",
                         self.repack_skipped)
             need = 0
         self.repacked_bytes = need
@@ -217,10 +217,10 @@ def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
     out.qtype = QTYPES[q.qtype][0]
     size = _repacked_bytes(linear, lib) if pack else 0
     if size:
-        # a second copy, repacked 8 rows at a time for steps of up to 64 rows (its memory,
-        # Q4_K's 3% more than the original, for 1.2-1.9x there: docs/benchmarks.md, "Small
-        # row counts"); the original serves prefill chunks, a share's partial groups and
-        # every other reader of these weights
+        # a second copy, repacked 8 rows at a time, read by the step at every row count,
+        # prompt chunks included (its memory, Q4_K's 3% more than the original, for 1.2-1.9x
+        # at 2-64 rows and 1.3-2x at prefill sizes: docs/benchmarks.md, "Small row counts");
+        # the original serves a share's partial groups and every other reader of the weights
         packed = torch.empty(size, dtype=torch.uint8)
         if lib.qgemm_pack(out.qtype, q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1],
                           packed.data_ptr()) == 0:

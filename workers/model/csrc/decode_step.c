@@ -48,7 +48,7 @@ typedef struct {
     const float *final_norm;
     ds_lin head;
     const ds_layer *layers;
-    int64_t all_packed;  // every linear has its repacked copy: row-major up to 64 rows
+    int64_t all_packed;  // every linear has its repacked copy: row-major at every row count
 } ds_model;
 
 // ---------------------------------------------------------------------------------------

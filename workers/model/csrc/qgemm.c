@@ -6,16 +6,17 @@
 // dpbusd). Weight types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
 //
 // Two layouts of the quantized activations, chosen by the row count:
-//  - M < QG_INTER_MIN (QG_PACKED_INTER_MIN where every weight has a repacked copy):
-//    row-major. With a copy (every type: qgemm_pack, made once at load by the decode step)
-//    8 weight rows are interleaved 4 bytes at a time, so each lane is one output row and
-//    each activation row's 4-byte slices are broadcast to meet 8 weight rows in one
-//    instruction; without one (the rows of a group a thread's share cuts) a weight
-//    block is unpacked once and meets each row's 32 bytes in one vector, then 8 blocks'
-//    dots are reduced across lanes.
+//  - row-major: below QG_INTER_MIN rows, and at every row count where the weights have a
+//    repacked copy (every type: qgemm_pack, made once at load by the decode step), in
+//    passes of QG_SMALL_MAX rows. With the copy 8 weight rows are interleaved 4 bytes at a
+//    time, so each lane is one output row and each activation row's 4-byte slices are
+//    broadcast to meet 8 weight rows in one instruction; without one (the rows of a group
+//    a thread's share cuts) a weight block is unpacked once and meets each row's 32 bytes
+//    in one vector, then 8 blocks' dots are reduced across lanes.
 //  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
 //    a vector is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
-//    (compute-bound batches and prefill).
+//    (batches and prefill on weights without a copy). It reads 8x the activation bytes
+//    per product of the copy's path, from L2: 1.3-2x slower there (docs/benchmarks.md).
 // Every path gives a row the same result bit for bit, whatever M, the layout, the thread
 // count or the other rows: the integer dot of a block is exact, each block's value is
 //   v_b = [coef_b * s_b +] idot_b * (ws_b * d_b)          (one rounding order)
@@ -61,9 +62,10 @@ static inline __m256i qg_dpbusd_emul(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q6_K = 14 };  // ggml ids
-// The interleaved layout from QG_INTER_MIN rows on; from QG_PACKED_INTER_MIN where every
-// weight has its repacked copy (qgemm_pack), whose few-row path stays ahead of it further.
-enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_PACKED_INTER_MIN = 65 };
+// The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
+// repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
+enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64 };
+#define QG_PACKED_INTER_MIN INT64_MAX
 
 static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 weights
     switch (qtype) {
@@ -554,8 +556,6 @@ static inline __m256i qg_reduce8_16(const __m256i v[8]) {
 }
 #endif
 
-enum { QG_SMALL_MAX = QG_PACKED_INTER_MIN - 1 };  // rows of the row-major layout at most
-
 // A chunk's scalars, one lane per 32-weight slice: v = idot * ws * d_x + coef * s_x (Q6_K:
 // + c0 * s0_x + c1 * s1_x). Built in registers from the blocks' headers, not through
 // float arrays read back as vectors.
@@ -959,6 +959,23 @@ static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype
 static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, int64_t n1,
                     int64_t row_bytes, const qg_act *a, float *out, int64_t ldo) {
 #ifdef QG_AVX2
+    if (!a->inter && a->M > QG_SMALL_MAX) {
+        // row-major passes of QG_SMALL_MAX rows: a pass's activations stay in L2 while the
+        // share's weights stream past once per pass (each row's result is the same bits)
+        for (int64_t m0 = 0; m0 < a->M; m0 += QG_SMALL_MAX) {
+            qg_act v = *a;
+            const int64_t f = m0 * a->nb;
+            v.M = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
+            v.G = (v.M + 7) / 8;
+            v.q = a->q + m0 * a->K;
+            v.d = a->d + f;
+            v.s = a->s + f;
+            v.s0 = a->s0 + f;
+            v.s1 = a->s1 + f;
+            qg_rows(qtype, w, wp, n0, n1, row_bytes, &v, out + m0 * ldo, ldo);
+        }
+        return;
+    }
     if (wp && !a->inter && qg_packable(qtype)) {
         const int64_t g0 = (n0 + 7) / 8, g1 = n1 / 8;
         if (g0 < g1) {
@@ -1108,8 +1125,9 @@ int64_t qgemm_pack_bytes(int qtype, int64_t N, int64_t K) {
     return N * qg_pk_row_bytes(qtype, K, K / qg_block_size(qtype) * qg_block_bytes(qtype));
 }
 
-// qgemm_q8 with the repacked copy wp of w (qgemm_pack) beside it, as the decode step of a
-// model whose weights all have one calls it (row-major up to 64 rows; tests).
+// qgemm_q8 with the repacked copy wp of w (qgemm_pack) beside it: row-major at every row
+// count, as the decode step of a model whose weights all have one runs it; the op-by-op
+// forward's prompt chunks of such a model.
 int qgemm_q8_packed(int qtype, const uint8_t *w, const uint8_t *wp, int64_t N, int64_t K, int64_t row_bytes,
                     const float *x, int64_t ldx, int64_t M, float *out, void *scratch, int n_threads) {
     return qg_gemm(qtype, w, wp, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_PACKED_INTER_MIN);
