@@ -1,6 +1,7 @@
 """The int8 matmul on quantized blocks (csrc/qgemm.c) against gguf's dequantization: every
 weight type, 1-17 activation rows (both activation layouts), the portable path against
-this host's SIMD one, the AVX-512 / AVX-VNNI builds compiled and their code run with dpbusd emulated."""
+this host's SIMD one, and the SIMD path this host does not take (AVX2 on a VNNI host, the
+VNNI code with dpbusd emulated on an AVX2 one); the AVX-512 / AVX-VNNI builds compiled."""
 
 from __future__ import annotations
 
@@ -117,9 +118,7 @@ def test_row_tails_sharing_a_chunk_give_each_row_its_own_bits(lib, qtype: str) -
     """With nb % 8 = t blocks left per weight row, 8 // t rows' tails go in one chunk (row
     counts that do not divide the threads' shares included): the scalar reference's bits for
     every row, on this host's build and the VNNI build's code; K = 576 is the default model's."""
-    builds = [lib]
-    if lib.qgemm_simd_level() == 1:
-        builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
+    builds = [lib, _other_simd_build(lib)] if lib.qgemm_simd_level() else [lib]
     for t in (1, 2, 3, 4, 6, 7):
         for m in (1, 2, 6):
             qw, x, raw = _case(qtype, m, seed=4, k=32 * (8 + t))
@@ -149,18 +148,28 @@ def _packed(lib, qw: QuantizedWeight, x: torch.Tensor, threads: int,
     return out
 
 
+def _other_simd_build(lib):
+    """The SIMD path this host's build does not take: the VNNI code with dpbusd emulated
+    on an AVX2 host, the AVX2 code (maddubs) on a VNNI host."""
+    if lib.qgemm_simd_level() == 1:
+        other = require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",)))
+        assert other.qgemm_simd_level() == 2
+    else:
+        other = require_kernel("decode_step", load_decode_step(("-mno-avx512vnni", "-mno-avxvnni")))
+        assert other.qgemm_simd_level() == 1
+    return other
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     """Weights repacked 8 rows at a time (the decode step's copy), every type: every row's
     bits equal the scalar reference's on the original layout, with 1-3 threads whose shares
     of 40 rows end inside a group of 8 (those rows read the original), K with and without a
-    partial chunk of blocks (K-quants: 1-3 super-blocks), on this host's build and
-    the VNNI build's code; row-major at every row count (a model whose weights all have the
+    partial chunk of blocks (K-quants: 1-3 super-blocks), on this host's build and the
+    other SIMD path's (AVX2 or VNNI); row-major at every row count (a model whose weights all have the
     copy), past 64 rows in passes of 64 (65: a pass of one row, 129: of one row after two
     whole passes)."""
-    builds = [lib]
-    if lib.qgemm_simd_level() == 1:
-        builds.append(require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",))))
+    builds = [lib, _other_simd_build(lib)] if lib.qgemm_simd_level() else [lib]
     rng = np.random.default_rng([*qtype.encode(), 6])
     for k in (256, 512, 768) if qtype in ("Q4_K", "Q6_K") else (160, 256, 576):
         raw = random_blocks(qtype, 40, k, rng)
@@ -240,17 +249,16 @@ def test_portable_build_gives_the_same_bits(lib, qtype: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-def test_vnni_code_paths_give_the_same_bits(lib, qtype: str) -> None:
-    """The VNNI build's own code (dpbusd accumulation, Q6_K's 32-bit scale lanes) with
-    dpbusd emulated in scalar where the host has no VNNI: the same bits as this host's
-    build, both activation layouts. (On a VNNI host both builds take the real instruction.)"""
+def test_the_other_simd_path_gives_the_same_bits(lib, qtype: str) -> None:
+    """The SIMD path this host's build does not take gives the same bits, both activation
+    layouts: on an AVX2 host the VNNI build's own code (dpbusd accumulation, Q6_K's 32-bit
+    scale lanes) with dpbusd emulated in scalar, on a VNNI host the AVX2 build's."""
     if lib.qgemm_simd_level() == 0:
         pytest.skip("this host has no AVX2: the VNNI paths build on the AVX2 ones")
-    vnni = require_kernel("decode_step", load_decode_step(("-DQG_EMULATE_VNNI",)))
-    assert vnni.qgemm_simd_level() == 2
+    other = _other_simd_build(lib)
     for m in (1, 3, 8, 13):
         qw, x, _ = _case(qtype, m, seed=3)
-        assert torch.equal(qlinear_int8(x, qw, vnni), qlinear_int8(x, qw, lib)), m
+        assert torch.equal(qlinear_int8(x, qw, other), qlinear_int8(x, qw, lib)), m
 
 
 @pytest.mark.parametrize("flags", [("-mavx512f", "-mavx512vl", "-mavx512vnni"), ("-mavxvnni",)],
