@@ -117,7 +117,7 @@ def test_a_row_does_not_depend_on_its_batch(lib, qtype: str) -> None:
 def test_row_tails_sharing_a_chunk_give_each_row_its_own_bits(lib, qtype: str) -> None:
     """With nb % 8 = t blocks left per weight row, 8 // t rows' tails go in one chunk (row
     counts that do not divide the threads' shares included): the scalar reference's bits for
-    every row, on this host's build and the VNNI build's code; K = 576 is the default model's."""
+    every row, on this host's build and the other SIMD path's; K = 576 is the default model's."""
     builds = [lib, _other_simd_build(lib)] if lib.qgemm_simd_level() else [lib]
     for t in (1, 2, 3, 4, 6, 7):
         for m in (1, 2, 6):
@@ -166,9 +166,9 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     bits equal the scalar reference's on the original layout, with 1-3 threads whose shares
     of 40 rows end inside a group of 8 (those rows read the original), K with and without a
     partial chunk of blocks (K-quants: 1-3 super-blocks), on this host's build and the
-    other SIMD path's (AVX2 or VNNI); row-major at every row count (a model whose weights all have the
-    copy), past 64 rows in passes of 64 (65: a pass of one row, 129: of one row after two
-    whole passes)."""
+    other SIMD path's (AVX2 or VNNI); row-major at every row count (a model whose weights
+    all have the copy), past 64 rows in passes of 64 (65: a pass of one row after a whole
+    one, 129: after two)."""
     builds = [lib, _other_simd_build(lib)] if lib.qgemm_simd_level() else [lib]
     rng = np.random.default_rng([*qtype.encode(), 6])
     for k in (256, 512, 768) if qtype in ("Q4_K", "Q6_K") else (160, 256, 576):

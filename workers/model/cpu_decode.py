@@ -82,8 +82,8 @@ class CpuDecodeStep:
         if need and avail is not None and need > COPY_MEMORY_SHARE * avail:
             self.repack_skipped = (f"the repacked weights ({need / 2**20:.0f} MiB) would take more "
                                    f"than half the memory available ({avail / 2**20:.0f} MiB)")
-            log.warning("decode step without repacked weights: %s; steps of 2+ rows and prompt chunks run slower",
-                        self.repack_skipped)
+            log.warning("decode step without repacked weights: %s; steps of 2+ rows and prompt "
+                        "chunks run slower", self.repack_skipped)
             need = 0
         self.repacked_bytes = need
         pack = bool(need)
