@@ -1126,8 +1126,7 @@ int64_t qgemm_pack_bytes(int qtype, int64_t N, int64_t K) {
 }
 
 // qgemm_q8 with the repacked copy wp of w (qgemm_pack) beside it: row-major at every row
-// count, as the decode step of a model whose weights all have one runs it; the op-by-op
-// forward's prompt chunks of such a model.
+// count, the path the decode step of a model whose weights all have one takes (tests).
 int qgemm_q8_packed(int qtype, const uint8_t *w, const uint8_t *wp, int64_t N, int64_t K, int64_t row_bytes,
                     const float *x, int64_t ldx, int64_t M, float *out, void *scratch, int n_threads) {
     return qg_gemm(qtype, w, wp, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_PACKED_INTER_MIN);
