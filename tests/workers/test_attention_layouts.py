@@ -55,7 +55,7 @@ def test_decode_output_with_cuda_sdpa_layout(monkeypatch, hq, hkv) -> None:
 def test_prompt_rows_through_the_kernel_match_sdpa() -> None:
     """prefill_rows (the 8-bit path): a prompt chunk after cached context, beside a decode
     row, attends row by row through the C kernel to SDPA's values."""
-    from kernels import require_kernel
+    from c_kernels import require_kernel
 
     from kvserve.workers.model.cpu_kernels import load_paged_decode
 

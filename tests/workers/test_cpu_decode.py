@@ -8,7 +8,7 @@ import gguf
 import pytest
 import torch
 from arch_models import make_arch_model, write_arch_gguf
-from kernels import require_kernel
+from c_kernels import require_kernel
 from tiny_models import make_tiny_hf_model, write_gguf
 
 from kvserve.config import EngineConfig

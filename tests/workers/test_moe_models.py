@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels import require_kernel
+from c_kernels import require_kernel
 from moe_models import VARIANTS, arch_of, hf_class, make_moe_model, write_moe_gguf
 
 from kvserve import LLM, SamplingParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels import require_kernel
+from c_kernels import require_kernel
 
 from kvserve.workers.model.cpu_kernels import load_paged_decode
 

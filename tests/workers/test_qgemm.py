@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from kernels import require_kernel
+from c_kernels import require_kernel
 
 from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
 from kvserve.workers.model.cpu_kernels import compile_errors, load_decode_step
@@ -187,27 +187,25 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
-def test_the_repacked_copy_is_what_whole_groups_read(lib, qtype: str) -> None:
-    """With the copy zeroed, the rows of whole groups of 8 come out zero and the rows of a
-    share's partial groups (3 threads over 40 rows: 0-12, 13-25, 26-39) keep their values:
-    the few-row path reads the copy, and the original where a share cuts a group."""
+def test_every_threads_share_reads_the_repacked_copy(lib, qtype: str) -> None:
+    """With the copy zeroed, every row comes out zero whatever the thread count: the rows
+    are shared out in whole groups of 8 (40 rows over 3 threads: 0-7, 8-23, 24-39, not
+    0-12, 13-25, 26-39), so no share cuts a group and reads the original blocks for it."""
     rng = np.random.default_rng(7)
     k = 256
     raw = random_blocks(qtype, 40, k, rng)
     qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     want = _ref(lib, qw, x, interleaved=False)
+    assert (want != 0).all()
     zeros = torch.zeros(lib.qgemm_pack_bytes(QTYPES[qtype][0], 40, k), dtype=torch.uint8)
-    got = _packed(lib, qw, x, 3, packed=zeros)
-    if lib.qgemm_simd_level() == 0:  # the scalar fallback has no few-row path of its own
-        assert torch.equal(got, want)
-        return
-    shares = [(40 * t // 3, 40 * (t + 1) // 3) for t in range(3)]  # the kernel's split
-    whole = [r for r in range(40) if any(a <= r // 8 * 8 and r // 8 * 8 + 8 <= b for a, b in shares)]
-    cut = [r for r in range(40) if r not in whole]
-    assert whole == [*range(0, 8), *range(16, 24), *range(32, 40)]
-    assert (got[:, whole] == 0).all()
-    assert torch.equal(got[:, cut], want[:, cut])
+    for threads in (1, 2, 3, 4):
+        got = _packed(lib, qw, x, threads, packed=zeros)
+        if lib.qgemm_simd_level() == 0:  # the scalar fallback has no few-row path of its own
+            assert torch.equal(got, want)
+        else:
+            assert (got == 0).all(), threads
+        assert torch.equal(_packed(lib, qw, x, threads), want), threads
 
 
 def test_repacking_refuses_what_it_cannot_lay_out(lib) -> None:

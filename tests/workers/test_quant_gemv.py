@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from kernels import require_kernel
+from c_kernels import require_kernel
 from tiny_models import make_tiny_hf_model
 
 from kvserve.config import EngineConfig

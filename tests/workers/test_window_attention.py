@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # CPU: Triton's interpreter, set before the k
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from kernels import require_kernel  # noqa: E402
+from c_kernels import require_kernel  # noqa: E402
 
 from kvserve.kvcache.device_cache import DeviceKVCache  # noqa: E402
 from kvserve.workers.model.attention import AttentionMetadata, LayerAttention  # noqa: E402
