@@ -220,7 +220,7 @@ def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
         # a second copy, repacked 8 rows at a time, read by the step at every row count,
         # prompt chunks included (its memory, Q4_K's 3% more than the original, for 1.2-1.9x
         # at 2-64 rows and 1.3-2x at prefill sizes: docs/benchmarks.md, "Small row counts");
-        # the original serves a share's partial groups and every other reader of the weights
+        # the original serves every other reader of the weights
         packed = torch.empty(size, dtype=torch.uint8)
         if lib.qgemm_pack(out.qtype, q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1],
                           packed.data_ptr()) == 0:

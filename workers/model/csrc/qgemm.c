@@ -10,9 +10,10 @@
 //    repacked copy (every type: qgemm_pack, made once at load by the decode step), in
 //    passes of QG_SMALL_MAX rows. With the copy 8 weight rows are interleaved 4 bytes at a
 //    time, so each lane is one output row and each activation row's 4-byte slices are
-//    broadcast to meet 8 weight rows in one instruction; without one (the rows of a group
-//    a thread's share cuts) a weight block is unpacked once and meets each row's 32 bytes
-//    in one vector, then 8 blocks' dots are reduced across lanes.
+//    broadcast to meet 8 weight rows in one instruction; without one (or for rows outside
+//    whole groups of 8: threads share rows out in whole groups, so only a row count that is
+//    no multiple of 8 has them) a weight block is unpacked once and meets each row's 32
+//    bytes in one vector, then 8 blocks' dots are reduced across lanes.
 //  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
 //    a vector is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
 //    (batches and prefill on weights without a copy). It reads 8x the activation bytes
@@ -955,7 +956,8 @@ static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype
 
 // Weight rows [n0, n1) against every activation row (the calling thread's share); wp:
 // the weights repacked by qgemm_pack, or NULL. The few-row path takes the repacked
-// copy for whole groups of 8 rows, the rows of a share's partial groups the original.
+// copy for whole groups of 8 rows, any rows outside them (callers share rows out in whole
+// groups, so none where N is a multiple of 8) the original.
 static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, int64_t n1,
                     int64_t row_bytes, const qg_act *a, float *out, int64_t ldo) {
 #ifdef QG_AVX2
@@ -1047,7 +1049,10 @@ static int qg_gemm(int qtype, const uint8_t *w, const uint8_t *wp, int64_t N, in
 #endif
         qg_quantize_rows(&a, x, ldx, rows * t / T, rows * (t + 1) / T);
 #pragma omp barrier
-        qg_rows(qtype, w, wp, N * t / T, N * (t + 1) / T, row_bytes, &a, out, N);
+        // whole groups of 8 rows per thread where N has them: each share reads the copy
+        const int64_t n0 = N % 8 ? N * t / T : 8 * ((N / 8) * t / T);
+        const int64_t n1 = N % 8 ? N * (t + 1) / T : 8 * ((N / 8) * (t + 1) / T);
+        qg_rows(qtype, w, wp, n0, n1, row_bytes, &a, out, N);
     }
     return 0;
 }
