@@ -11,9 +11,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from c_kernels import require_kernel
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from c_kernels import require_kernel
 
 from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
 from kvserve.workers.model.cpu_kernels import compile_errors, load_decode_step

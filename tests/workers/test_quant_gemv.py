@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from c_kernels import require_kernel
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from c_kernels import require_kernel
 from tiny_models import make_tiny_hf_model
 
 from kvserve.config import EngineConfig
