@@ -75,6 +75,32 @@ def test_default_model_step_is_op_by_op_bit_for_bit(lib, smol, streams: int, mod
         assert torch.equal(g, w)
 
 
+def test_the_steps_threads_read_only_the_repacked_copy(lib, smol) -> None:
+    """The step's threads share the output rows of `o`, `down` and the head out in whole
+    groups of 8, so every share reads the repacked copy: on 5 threads (576 and 49152 rows,
+    which N t / T would cut mid-group) the step gives the same bits with those linears'
+    original blocks swapped for zeros."""
+    prompts = _prompts(2, torch.Generator().manual_seed(5))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        want = _decode(_runner(smol, True, cpu_matmul="int8"), prompts, 2)
+        r = _runner(smol, True, cpu_matmul="int8")
+        step = r.model.cpu_step
+        zeros = []  # alive while the step reads them
+        lins = [step.model.head] + [lin for ly in step.layers for lin in (ly.o, ly.down)]
+        for lin in lins:
+            assert lin.wp and lin.N % 8 == 0
+            zeros.append(torch.zeros(lin.N * lin.row_bytes, dtype=torch.uint8))
+            lin.w = zeros[-1].data_ptr()
+        assert step.layers[0].o.w == zeros[1].data_ptr()  # the structures were changed in place
+        got = _decode(r, prompts, 2)
+    finally:
+        torch.set_num_threads(prev)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_int8_step_is_close_to_float32(lib, smol) -> None:
     """8-bit activations move the logits by their rounding, far less than a broken step."""
     _assert_int8_close(smol, 5, 0.1)
