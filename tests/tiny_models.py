@@ -191,8 +191,9 @@ def write_gguf(
 ) -> str:
     """Convert the HF model in `hf_dir` into a GGUF file the way llama.cpp lays it out.
 
-    qtype: gguf.GGMLQuantizationType for 2-D weights (F32 default); norms and biases
-    stay F32 as llama.cpp keeps them. arch: GGUF architecture; defaults to "llama"
+    qtype: gguf.GGMLQuantizationType for 2-D weights (F32 default), or a function of the
+    GGUF tensor name and float array giving each one's type (a mixed file, as llama.cpp's
+    Q4_K_M); norms and biases stay F32 as llama.cpp keeps them. arch: GGUF architecture; defaults to "llama"
     for llama/mistral (as llama.cpp writes them) and "qwen2" for qwen2.
     metadata: extra or replacement key/values; a None value removes a key.
     drop_tensors: GGUF tensor names to leave out.
@@ -200,7 +201,7 @@ def write_gguf(
     import gguf
     from transformers import AutoModelForCausalLM
 
-    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    pick = qtype if callable(qtype) else (lambda name, array, t=qtype: t)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     cfg = model.config
     arch = arch or ("qwen2" if cfg.model_type == "qwen2" else "llama")
@@ -257,12 +258,13 @@ def write_gguf(
             array = permute_qk(array, cfg.num_attention_heads)
         elif arch in ("llama", "mistral") and hf_name.endswith("k_proj.weight"):
             array = permute_qk(array, cfg.num_key_value_heads)
-        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        qt = gguf.GGMLQuantizationType.F32 if array.ndim == 1 else pick(name, array)
+        if qt is None or qt == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
-        elif qtype == gguf.GGMLQuantizationType.F16:
+        elif qt == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
         else:
-            writer.add_tensor(name, quantize_blocks(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, quantize_blocks(array, qt), raw_dtype=qt)
     if rope.get("rope_type") == "llama3" and "rope_freqs.weight" not in dropped:
         # llama.cpp keeps no llama3 metadata, only the precomputed per-dimension factors.
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
@@ -318,12 +320,32 @@ def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         dtype=np.float32)
+
+
+def quantize_iq4_nl(array: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of a 2-D float array (cols a multiple of 32): per 32 weights an f16
+    scale that takes the largest magnitude to -127, each weight the nearest table value."""
+    rows, cols = array.shape
+    x = array.astype(np.float32).reshape(-1, 32)
+    big = np.take_along_axis(x, np.abs(x).argmax(-1, keepdims=True), -1)
+    d = (big / -127).astype(np.float16)
+    df = d.astype(np.float32)
+    idx = np.abs(x[..., None] - df[..., None] * IQ4_NL_VALUES).argmin(-1).astype(np.uint8)
+    qs = idx[:, :16] | (idx[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], axis=1).reshape(rows, -1)
+
+
 def quantize_blocks(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q4_K / Q6_K."""
+    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q4_K / Q6_K
+    and quantize_iq4_nl (gguf has no quantizer for these)."""
     import gguf
 
     if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
         return quantize_k(array, qtype)
+    if qtype == gguf.GGMLQuantizationType.IQ4_NL:
+        return quantize_iq4_nl(array)
     return gguf.quants.quantize(array, qtype)
 
 

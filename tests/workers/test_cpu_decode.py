@@ -336,6 +336,45 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path, monkeypatch) -> None:
         assert torch.equal(seen[0], seen[1])
 
 
+def test_q4_k_m_mix_with_q5_0_and_iq4_nl_runs_in_the_step(lib, tmp_path) -> None:
+    """A file mixed as llama.cpp's Q4_K_M mixes small models: Q4_K where K is a multiple of
+    256, its fallbacks Q5_0 (down, K = 288) and IQ4_NL (o) elsewhere, a Q6_K embedding. The
+    fallbacks load as Q8_0 blocks of the same values, so the whole model decodes in the
+    one-call step (each linear with its repacked copy), close to the float32 weights."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    hf = make_tiny_hf_model(tmp_path / "m", "llama", seed=8, with_tokenizer=False, hidden_size=256,
+                            intermediate_size=288, num_attention_heads=8, num_key_value_heads=2)
+
+    def mix(name: str, array) -> Q:
+        if name == "token_embd.weight":
+            return Q.Q6_K
+        if name.endswith("attn_output.weight"):
+            return Q.IQ4_NL
+        return Q.Q4_K if array.shape[1] % 256 == 0 else Q.Q5_0
+
+    path = write_gguf(tmp_path / "mix.gguf", hf, mix)
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    loaded = load_model(path)
+    for gguf_name, hf_name, qt in (("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight", Q.Q5_0),
+                                   ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight",
+                                    Q.IQ4_NL)):
+        t = tensors[gguf_name]
+        assert t.tensor_type == qt
+        q = loaded.quantized[hf_name]
+        assert q.qtype == "Q8_0"
+        want = dequantize(t.data, qt)
+        assert torch.equal(torch.from_numpy(dequantize(q.data.numpy(), Q.Q8_0)), torch.from_numpy(want))
+        assert torch.equal(loaded.weights[hf_name], torch.from_numpy(want))
+    assert loaded.quantized["model.layers.1.mlp.gate_proj.weight"].qtype == "Q4_K"
+    _assert_int8_close(loaded, 4, 0.05)
+    r = _runner(loaded, True, cpu_matmul="int8")
+    layer = r.model.cpu_step.layers[1]
+    assert all(getattr(layer, f).wp for f in ("qkv", "o", "gate_up", "down"))
+    assert r.model.cpu_step.model.head.wp
+
+
 def test_lora_engine_decodes_op_by_op(lib, smol) -> None:
     """The one-call step reads the base weights' blocks only: with LoRA adapters possible,
     decode steps run op by op (through the adapted linears), and the runtime says so."""

@@ -26,7 +26,7 @@ from kvserve.workers.loading.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
 )
-from kvserve.workers.loading.quant_format import QTYPES, QuantizedWeight
+from kvserve.workers.loading.quant_format import AS_Q8_0, QTYPES, QuantizedWeight, as_q8_0
 from kvserve.workers.loading.sharding import Shard, ShardLayout, Split, index
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
@@ -160,6 +160,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, shard: Shard | None
         qtype = tensor.tensor_type.name
         if raw is None:
             continue
+        if qtype in AS_Q8_0:
+            raw, qtype = as_q8_0(raw, qtype), "Q8_0"
         if array.ndim == 3:  # MoE experts
             quantized.update(expert_rows(hf_name, torch.from_numpy(raw), qtype, array.shape))
         elif array.ndim == 2:
@@ -194,7 +196,7 @@ def _read_tensor(tensor: Any, path: str, split: Split | None,
     shape = _torch_shape(tensor)
     data = tensor.data
     qtype = tensor.tensor_type
-    keep_raw = keep_raw and qtype.name in QTYPES
+    keep_raw = keep_raw and (qtype.name in QTYPES or qtype.name in AS_Q8_0)
     if split is None:
         raw = np.array(data, dtype=np.uint8) if keep_raw else None  # a copy: [rows, row bytes]
         return _dequantize(tensor, path), raw
