@@ -277,7 +277,7 @@ def write_gguf(
 
 
 def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """Q4_K or Q6_K blocks of a 2-D float array ([rows, cols], cols a multiple of 256) as raw
+    """Q4_K, Q5_K or Q6_K blocks of a 2-D float array ([rows, cols], cols a multiple of 256) as raw
     bytes [rows, cols / 256 * block bytes], quantized plainly (no search for the best scales,
     as llama.cpp does: these only need to be valid blocks for tests)."""
     import gguf
@@ -285,24 +285,26 @@ def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
     rows, cols = array.shape
     x = array.astype(np.float32).reshape(-1, 256)
     n = x.shape[0]
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
+        top = 15 if qtype == gguf.GGMLQuantizationType.Q4_K else 31
         sub = x.reshape(n, 8, 32)
         lo = np.minimum(sub.min(-1), 0)  # the min is -dmin * m with m >= 0
-        scale = (sub.max(-1) - lo) / 15
+        scale = (sub.max(-1) - lo) / top
         d = np.maximum(scale.max(-1, keepdims=True) / 63, 1e-8).astype(np.float16).astype(np.float32)
         dmin = np.maximum((-lo).max(-1, keepdims=True) / 63, 1e-8).astype(np.float16).astype(np.float32)
         sc = np.clip(np.rint(scale / d), 1, 63).astype(np.uint8)
         m = np.clip(np.rint(-lo / dmin), 0, 63).astype(np.uint8)
         eff_d = (d * sc)[..., None]
-        q = np.clip(np.rint((sub + (dmin * m)[..., None]) / eff_d), 0, 15).astype(np.uint8)
+        q = np.clip(np.rint((sub + (dmin * m)[..., None]) / eff_d), 0, top).astype(np.uint8)
         scales = np.zeros((n, 12), np.uint8)
         scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
         scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
         scales[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-        q = q.reshape(n, 4, 2, 32)
+        high = [] if top == 15 else [((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(1, dtype=np.uint8)]
+        q = (q & 15).reshape(n, 4, 2, 32)  # Q5_K: bit j of qh[l] is slice j's fifth bit of weight l
         qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
         blocks = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8),
-                                 scales, qs], axis=1)
+                                 scales, *high, qs], axis=1)
     elif qtype == gguf.GGMLQuantizationType.Q6_K:
         sub = x.reshape(n, 16, 16)
         scale = np.abs(sub).max(-1) / 31
@@ -338,11 +340,11 @@ def quantize_iq4_nl(array: np.ndarray) -> np.ndarray:
 
 
 def quantize_blocks(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q4_K / Q6_K
-    and quantize_iq4_nl (gguf has no quantizer for these)."""
+    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q4_K / Q5_K /
+    Q6_K and quantize_iq4_nl (gguf has no quantizer for these)."""
     import gguf
 
-    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):
         return quantize_k(array, qtype)
     if qtype == gguf.GGMLQuantizationType.IQ4_NL:
         return quantize_iq4_nl(array)

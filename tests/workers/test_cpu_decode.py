@@ -296,7 +296,7 @@ def test_without_memory_for_the_copy_the_step_runs_on_the_original_blocks(lib, s
 
 
 def test_k_quant_model_runs_in_the_step(lib, tmp_path, monkeypatch) -> None:
-    """Q4_K / Q6_K weights (hidden 256: whole super-blocks) keep their raw rows, dequantize
+    """Q4_K / Q5_K / Q6_K weights (hidden 256: whole super-blocks) keep their raw rows, dequantize
     as gguf does, and decode in the one-call step close to the float32 weights. Their
     linears get the repacked copy: a stream's logits are the same bits decoded alone and
     beside an 80-token prompt chunk (81 rows: two passes over the copy), and the same bits
@@ -307,7 +307,7 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path, monkeypatch) -> None:
 
     hf = make_tiny_hf_model(tmp_path / "k", "llama", seed=8, with_tokenizer=False, hidden_size=256,
                             intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
-    for qt in (Q.Q4_K, Q.Q6_K):
+    for qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         path = write_gguf(tmp_path / f"{qt.name}.gguf", hf, qt)
         loaded = load_model(path)
         name = "model.layers.0.mlp.down_proj.weight"
@@ -336,11 +336,16 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path, monkeypatch) -> None:
         assert torch.equal(seen[0], seen[1])
 
 
-def test_q4_k_m_mix_with_q5_0_and_iq4_nl_runs_in_the_step(lib, tmp_path) -> None:
-    """A file mixed as llama.cpp's Q4_K_M mixes small models: Q4_K where K is a multiple of
-    256, its fallbacks Q5_0 (down, K = 288) and IQ4_NL (o) elsewhere, a Q6_K embedding. The
-    fallbacks load as Q8_0 blocks of the same values, so the whole model decodes in the
-    one-call step (each linear with its repacked copy), close to the float32 weights."""
+@pytest.mark.parametrize(("main", "fallback", "other"), [(Q.Q4_K, Q.Q5_0, Q.IQ4_NL), (Q.Q5_K, Q.Q5_1, Q.Q5_1)],
+                         ids=["Q4_K_M", "Q5_K_M"])
+def test_k_quant_mixes_of_small_models_run_in_the_step(lib, tmp_path, main: Q, fallback: Q, other: Q) -> None:
+    """A file mixed as llama.cpp's Q4_K_M / Q5_K_M mix small models: the K-quant where K is a
+    multiple of 256, its fallback (Q5_0 or Q5_1) where it is not (down, K = 288), IQ4_NL for
+    o in the first, Q6_K for the embedding and for v in every other layer (beside q and k of
+    the K-quant: the fused q|k|v keeps its parts apart). Q5_0 and IQ4_NL load as Q8_0 blocks
+    of the same values, Q5_1 and Q5_K as they are, so the whole model decodes in the one-call
+    step (each linear, each part, with its repacked copy): the op-by-op forward's bits, close
+    to the float32 weights."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -348,31 +353,42 @@ def test_q4_k_m_mix_with_q5_0_and_iq4_nl_runs_in_the_step(lib, tmp_path) -> None
                             intermediate_size=288, num_attention_heads=8, num_key_value_heads=2)
 
     def mix(name: str, array) -> Q:
-        if name == "token_embd.weight":
+        if name == "token_embd.weight" or (name.endswith("attn_v.weight") and name.startswith("blk.0.")):
             return Q.Q6_K
         if name.endswith("attn_output.weight"):
-            return Q.IQ4_NL
-        return Q.Q4_K if array.shape[1] % 256 == 0 else Q.Q5_0
+            return other
+        return main if array.shape[1] % 256 == 0 else fallback
 
     path = write_gguf(tmp_path / "mix.gguf", hf, mix)
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     loaded = load_model(path)
-    for gguf_name, hf_name, qt in (("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight", Q.Q5_0),
-                                   ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight",
-                                    Q.IQ4_NL)):
+    for gguf_name, hf_name, qt in (("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight", fallback),
+                                   ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight", other)):
         t = tensors[gguf_name]
         assert t.tensor_type == qt
         q = loaded.quantized[hf_name]
-        assert q.qtype == "Q8_0"
+        kept = Q.Q5_1 if qt == Q.Q5_1 else Q.Q8_0
+        assert q.qtype == kept.name
         want = dequantize(t.data, qt)
-        assert torch.equal(torch.from_numpy(dequantize(q.data.numpy(), Q.Q8_0)), torch.from_numpy(want))
+        assert torch.equal(torch.from_numpy(dequantize(q.data.numpy(), kept)), torch.from_numpy(want))
         assert torch.equal(loaded.weights[hf_name], torch.from_numpy(want))
-    assert loaded.quantized["model.layers.1.mlp.gate_proj.weight"].qtype == "Q4_K"
+    assert loaded.quantized["model.layers.1.mlp.gate_proj.weight"].qtype == main.name
     _assert_int8_close(loaded, 4, 0.05)
     r = _runner(loaded, True, cpu_matmul="int8")
-    layer = r.model.cpu_step.layers[1]
-    assert all(getattr(layer, f).wp for f in ("qkv", "o", "gate_up", "down"))
-    assert r.model.cpu_step.model.head.wp
+    qkv = r.model.layers[0].attn.qkv
+    assert qkv.quant is None and [q.qtype for q in qkv.parts] == [main.name, main.name, "Q6_K"]
+    assert r.model.layers[1].attn.qkv.parts is None and r.model.layers[1].attn.qkv.quant.qtype == main.name
+    for i in (0, 1):
+        layer = r.model.cpu_step.layers[i]
+        assert all(getattr(layer, f).wp for f in ("qkv", "o", "gate_up", "down"))
+    assert r.model.cpu_step.layers[0].qkv.n_parts == 3 and all(r.model.cpu_step.layers[0].qkv.parts[j].wp
+                                                               for j in range(3))
+    assert r.model.cpu_step.model.head.wp and r.model.cpu_step.model.all_packed
+    prompts = _prompts(3, torch.Generator().manual_seed(5))
+    got = _decode(r, prompts, 4)
+    want = _decode(_runner(loaded, False, cpu_matmul="int8"), prompts, 4)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_lora_engine_decodes_op_by_op(lib, smol) -> None:

@@ -39,9 +39,9 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
 
     if qtype in ("Q4_0", "Q8_0"):
         raw[:, 0:2] = half(0.05)
-    elif qtype == "Q4_1":
+    elif qtype in ("Q4_1", "Q5_1"):
         raw[:, 0:2], raw[:, 2:4] = half(0.05), half(0.2)
-    elif qtype == "Q4_K":
+    elif qtype in ("Q4_K", "Q5_K"):
         raw[:, 0:2], raw[:, 2:4] = half(0.01), half(0.01)
     else:  # Q6_K: d last
         raw[:, 208:210] = half(0.01)
@@ -113,7 +113,7 @@ def test_a_row_does_not_depend_on_its_batch(lib, qtype: str) -> None:
     assert torch.equal(qlinear_int8(wide, qw, lib), qlinear_int8(x, qw, lib))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0"])
 def test_row_tails_sharing_a_chunk_give_each_row_its_own_bits(lib, qtype: str) -> None:
     """With nb % 8 = t blocks left per weight row, 8 // t rows' tails go in one chunk (row
     counts that do not divide the threads' shares included): the scalar reference's bits for
@@ -160,7 +160,7 @@ def _other_simd_build(lib):
     return other
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     """Weights repacked 8 rows at a time (the decode step's copy), every type: every row's
     bits equal the scalar reference's on the original layout, with 1-3 threads whose shares
@@ -171,7 +171,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     one, 129: after two)."""
     builds = [lib, _other_simd_build(lib)] if lib.qgemm_simd_level() else [lib]
     rng = np.random.default_rng([*qtype.encode(), 6])
-    for k in (256, 512, 768) if qtype in ("Q4_K", "Q6_K") else (160, 256, 576):
+    for k in (256, 512, 768) if qtype in ("Q4_K", "Q5_K", "Q6_K") else (160, 256, 576):
         raw = random_blocks(qtype, 40, k, rng)
         qw = QuantizedWeight(qtype, torch.from_numpy(raw), (40, k))
         w = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
@@ -186,7 +186,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
                     assert torch.equal(_packed(b, qw, x, threads), want), (k, m, threads)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_threads_share_reads_the_repacked_copy(lib, qtype: str) -> None:
     """With the copy zeroed, every row comes out zero whatever the thread count: the rows
     are shared out in whole groups of 8 (40 rows over 3 threads: 0-7, 8-23, 24-39, not

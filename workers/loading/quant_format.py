@@ -13,8 +13,8 @@ import torch
 
 # ggml type name -> (type id, weights per block, bytes per block)
 QTYPES: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
 EXACT_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # Types whose every block is a Q8_0 block exactly (the same f16 scale; each weight an int8

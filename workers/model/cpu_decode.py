@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.workers.loading.quant_format import EXACT_QTYPES, QTYPES
+from kvserve.workers.loading.quant_format import EXACT_QTYPES, QTYPES, QuantizedWeight
 from kvserve.workers.model.layers.mlp import GatedMLP
 from kvserve.workers.model.quant_linear import MAX_ROWS, Linear, scratch
 
@@ -30,15 +31,19 @@ log = logging.getLogger(__name__)
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # weight types the int8 step also keeps repacked 8 rows at a time (csrc/qgemm.c)
-PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # the copies are made only when they take at most this share of the memory available then:
 # a model that fits but whose copy would not still loads (slower steps and prompt chunks)
 COPY_MEMORY_SHARE = 0.5
 
 
 class _Lin(ctypes.Structure):
-    _fields_ = [("w", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("row_bytes", _i64), ("qtype", _i64),
-                ("wp", _p)]
+    pass
+
+
+# parts / n_parts: rows stacked from linears of different types (csrc/decode_step.c's ds_lin)
+_Lin._fields_ = [("w", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("row_bytes", _i64), ("qtype", _i64),
+                 ("wp", _p), ("parts", ctypes.POINTER(_Lin)), ("n_parts", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -201,21 +206,46 @@ def available_memory() -> int | None:
     return None
 
 
+def _quants(linear: Any) -> tuple[QuantizedWeight, ...]:
+    """The raw weights a linear reads: its one fused weight, or its parts of different types."""
+    return (linear.quant,) if linear.quant is not None else tuple(linear.parts or ())
+
+
 def _repacked_bytes(linear: Any, lib: Any) -> int:
-    """The bytes of the repacked copy `_lin` makes of this linear (0: none)."""
-    q = linear.quant
-    if q.qtype not in PACKED_QTYPES or q.shape[0] % 8:
-        return 0
-    return max(0, lib.qgemm_pack_bytes(QTYPES[q.qtype][0], q.shape[0], q.shape[1]))
+    """The bytes of the repacked copies `_lin` makes of this linear (0: none)."""
+    total = 0
+    for q in _quants(linear):
+        if q.qtype in PACKED_QTYPES and q.shape[0] % 8 == 0:
+            total += max(0, lib.qgemm_pack_bytes(QTYPES[q.qtype][0], q.shape[0], q.shape[1]))
+    return total
 
 
 def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
-    q = linear.quant
+    if linear.quant is None:  # parts of different types, each its own _Lin (and copy)
+        parts = (_Lin * len(linear.parts))()
+        for i, q in enumerate(linear.parts):
+            parts[i] = _lin(SimpleNamespace(quant=q, bias=None), keep, lib, pack)
+        keep.append(parts)
+        out = _Lin()
+        out.N, out.K = sum(q.shape[0] for q in linear.parts), linear.parts[0].shape[1]
+        out.parts, out.n_parts, out.qtype = ctypes.cast(parts, ctypes.POINTER(_Lin)), len(parts), -1
+        # "has its copy" (all_packed) when every part has one; the step reads the parts' own
+        out.wp = parts[0].wp if all(p.wp for p in parts) else None
+    else:
+        out = _single_lin(linear.quant, keep, lib, pack)
+    if linear.bias is not None:
+        bias = linear.bias.float().contiguous()
+        keep.append(bias)
+        out.bias = bias.data_ptr()
+    return out
+
+
+def _single_lin(q: QuantizedWeight, keep: list[Any], lib: Any, pack: bool) -> _Lin:
     keep.append(q.data)
     out = _Lin()
     out.w, out.N, out.K, out.row_bytes = q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1]
     out.qtype = QTYPES[q.qtype][0]
-    size = _repacked_bytes(linear, lib) if pack else 0
+    size = _repacked_bytes(SimpleNamespace(quant=q), lib) if pack else 0
     if size:
         # a second copy, repacked 8 rows at a time, read by the step at every row count,
         # prompt chunks included (its memory, Q4_K's 3% more than the original, for 1.2-1.9x
@@ -226,10 +256,6 @@ def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
                           packed.data_ptr()) == 0:
             keep.append(packed)
             out.wp = packed.data_ptr()
-    if linear.bias is not None:
-        bias = linear.bias.float().contiguous()
-        keep.append(bias)
-        out.bias = bias.data_ptr()
     return out
 
 
@@ -257,7 +283,8 @@ def _why_not(model: DecoderModel, exact: bool) -> str | None:
         if any(n is not None and n.eps != model.norm.eps for n in norms):
             return "norms with different eps"
     for lin in linears:
-        if not isinstance(lin, Linear) or lin.quant is None or lin.quant.qtype not in types:
-            what = getattr(getattr(lin, "quant", None), "qtype", "float")
-            return f"a linear's weights are {what}, not one of {', '.join(types)}"
+        qs = _quants(lin) if isinstance(lin, Linear) else ()
+        bad = [q.qtype for q in qs if q.qtype not in types]
+        if not qs or bad:
+            return f"a linear's weights are {bad[0] if bad else 'float'}, not one of {', '.join(types)}"
     return None

@@ -76,7 +76,7 @@ class Linear:
     `int8`: the kernel is csrc/qgemm.c's (every row count), else csrc/qgemv.c's (up to
     `max_rows` rows, the float weight above)."""
 
-    __slots__ = ("weight", "bias", "quant", "lib", "max_rows", "int8")
+    __slots__ = ("weight", "bias", "quant", "parts", "lib", "max_rows", "int8")
 
     def __init__(
         self,
@@ -86,19 +86,26 @@ class Linear:
         lib: object | None = None,
         max_rows: int = MAX_ROWS,
         int8: bool = False,
+        parts: tuple[QuantizedWeight, ...] | None = None,
     ) -> None:
         self.weight = weight
         self.bias = bias
         # the kernels are float32-on-CPU only; anything else keeps the torch path
         usable = lib is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-        if quant is not None and not int8 and quant.qtype not in EXACT_QTYPES:
+        if not int8 and any(q.qtype not in EXACT_QTYPES for q in (quant, *(parts or ())) if q is not None):
             usable = False
         self.quant = quant if usable else None
+        # rows stacked from weights of different types (quant None): each part's own kernel
+        self.parts = parts if usable and quant is None and parts else None
         self.lib = lib
         self.max_rows = max_rows
-        self.int8 = int8 and self.quant is not None
+        self.int8 = int8 and (self.quant is not None or self.parts is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None and x.dim() == 2 and (self.int8 or x.shape[0] <= self.max_rows):
+            run = qlinear_int8 if self.int8 else qlinear
+            out = torch.cat([run(x, q, self.lib) for q in self.parts], dim=1)
+            return out if self.bias is None else out.add_(self.bias)
         if self.quant is not None and x.dim() == 2:
             if self.int8:
                 out = qlinear_int8(x, self.quant, self.lib)

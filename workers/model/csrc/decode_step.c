@@ -25,11 +25,15 @@
 #include "qgemv.c"
 #include "paged_decode.c"
 
-typedef struct {
+typedef struct ds_lin {
     const void *w;        // raw ggml rows [N, row_bytes]
     const float *bias;    // [N] or NULL
     int64_t N, K, row_bytes, qtype;
     const void *wp;       // w repacked for the few-row path (qgemm_pack), or NULL
+    // n_parts > 0: the rows are these linears' one after another (a fused q|k|v whose parts
+    // have different types, as llama.cpp's K-quant mixes give attn_v a wider type); w unused
+    const struct ds_lin *parts;
+    int64_t n_parts;
 } ds_lin;
 
 typedef struct {
@@ -129,7 +133,12 @@ static void ds_act(float *out, const float *gate, const float *up, int64_t n, in
 static void ds_mm(const ds_model *md, const ds_lin *L, int64_t n0, int64_t n1, const qg_act *a,
                   const float *xf, int64_t ldx, int64_t M, float *out, int64_t ldo) {
     if (n0 >= n1) return;
-    if (!md->exact) {
+    if (L->n_parts) {  // each part's rows of [n0, n1), into its columns of out
+        for (int64_t i = 0, off = 0; i < L->n_parts; off += L->parts[i].N, ++i) {
+            const int64_t a0 = n0 > off ? n0 : off, e = off + L->parts[i].N, a1 = n1 < e ? n1 : e;
+            ds_mm(md, &L->parts[i], a0 - off, a1 - off, a, xf, ldx, M, out + off, ldo);
+        }
+    } else if (!md->exact) {
         qg_rows((int)L->qtype, (const uint8_t *)L->w, (const uint8_t *)L->wp, n0, n1, L->row_bytes, a, out, ldo);
     } else {
         const int bb = block_bytes((int)L->qtype);

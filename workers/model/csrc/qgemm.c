@@ -3,7 +3,8 @@
 // The activations are quantized once per matmul to 8 bits per 32-element block with a
 // float32 scale (llama.cpp's Q8 scheme with a wider scale), and every weight block is
 // multiplied by them with integer dot products (AVX2 maddubs, AVX512-VNNI / AVX-VNNI
-// dpbusd). Weight types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
+// dpbusd). Weight types: Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (5-bit weights: at most 4
+// maddubs pairs summed in 16 bits).
 //
 // Two layouts of the quantized activations, chosen by the row count:
 //  - row-major: below QG_INTER_MIN rows, and at every row count where the weights have a
@@ -62,7 +63,11 @@ static inline __m256i qg_dpbusd_emul(__m256i acc, __m256i u, __m256i s) {
 #endif
 #endif
 
-enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q6_K = 14 };  // ggml ids
+enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q5_1 = 7, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q5_K = 13, QG_Q6_K = 14 };  // ggml ids
+// A scale and a min per 32 weights (Q4_1, Q5_1); Q4_K's header (Q4_K, Q5_K); 5-bit weights.
+static inline int qg_min32(int qtype) { return qtype == QG_Q4_1 || qtype == QG_Q5_1; }
+static inline int qg_k4like(int qtype) { return qtype == QG_Q4_K || qtype == QG_Q5_K; }
+static inline int qg_five(int qtype) { return qtype == QG_Q5_1 || qtype == QG_Q5_K; }
 // The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
 enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64 };
@@ -72,8 +77,10 @@ static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 
     switch (qtype) {
     case QG_Q4_0: return 18;
     case QG_Q4_1: return 20;
+    case QG_Q5_1: return 24;
     case QG_Q8_0: return 34;
     case QG_Q4_K: return 144;
+    case QG_Q5_K: return 176;
     case QG_Q6_K: return 210;
     default: return -1;
     }
@@ -81,10 +88,10 @@ static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 
 
 // A repacked group of 8 rows (qgemm_pack): per block, the bytes of its scales (and Q4_1's
 // mins) before its quants, and its 4-byte words of quants per row.
-static inline int64_t qg_pk_hdr(int qtype) { return qtype == QG_Q4_1 ? 32 : 16; }
+static inline int64_t qg_pk_hdr(int qtype) { return qg_min32(qtype) ? 32 : 16; }
 static inline int qg_pk_words(int qtype) { return qtype == QG_Q8_0 ? 8 : 4; }
 static inline int qg_packable(int qtype) {
-    return qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0 || qtype == QG_Q4_K || qtype == QG_Q6_K;
+    return qtype == QG_Q4_0 || qg_min32(qtype) || qtype == QG_Q8_0 || qg_k4like(qtype) || qtype == QG_Q6_K;
 }
 // Q4_K repacked: per 8 rows and super-block, their d and dmin (f16), then per 32-weight
 // slice their 6-bit scales and mins as bytes and the Q4 vectors: 148 bytes a row per
@@ -95,10 +102,14 @@ enum { QG_PK_K4_SB = 8 * 148, QG_PK_K4_HDR = 32, QG_PK_K4_SLICE = 16 + 128 };
 // their top 2 bits in two vectors (vector q, lane r, byte i: weights 4q + i, 8 + 4q + i,
 // 16 + 4q + i and 24 + 4q + i at bits 0, 2, 4 and 6): 210 bytes a row, as the original.
 enum { QG_PK_K6_SB = 8 * 210, QG_PK_K6_HDR = 16, QG_PK_K6_SLICE = 16 + 128 + 64 };
+// Q5_K repacked: Q4_K's, and after each slice's Q4 vectors one vector of the weights' fifth
+// bits (lane r, byte i, bit g: weight 4g + i), as Q5_1's copy has per block: 180 bytes a row
+// per super-block (the original's 176).
+enum { QG_PK_K5_SB = 8 * 180, QG_PK_K5_SLICE = 16 + 128 + 32 };
 static inline int64_t qg_pk_row_bytes(int qtype, int64_t K, int64_t row_bytes) {
-    return qtype == QG_Q4_K ? K / QG_QKK * 148 : row_bytes;
+    return qtype == QG_Q4_K ? K / QG_QKK * 148 : qtype == QG_Q5_K ? K / QG_QKK * 180 : row_bytes;
 }
-static int qg_block_size(int qtype) { return qtype == QG_Q4_K || qtype == QG_Q6_K ? QG_QKK : QG_QK; }
+static int qg_block_size(int qtype) { return qg_k4like(qtype) || qtype == QG_Q6_K ? QG_QKK : QG_QK; }
 
 static inline uint16_t qg_rd16(const uint8_t *p) {
     uint16_t v;
@@ -251,15 +262,15 @@ static inline __attribute__((always_inline)) void qg_scalars(int qtype, const ui
                                                             qg_wblk *w) {
     w->coef = w->coef16[0] = w->coef16[1] = 0.f;
     w->sc16[0] = w->sc16[1] = 0;
-    if (qtype == QG_Q4_0 || qtype == QG_Q4_1) {
-        const uint8_t *blk = row + b * (qtype == QG_Q4_0 ? 18 : 20);
+    if (qtype == QG_Q4_0 || qg_min32(qtype)) {
+        const uint8_t *blk = row + b * qg_block_bytes(qtype);
         const float d = qg_half(qg_rd16(blk));
         w->ws = d;
         w->coef = qtype == QG_Q4_0 ? -8.f * d : qg_half(qg_rd16(blk + 2));
     } else if (qtype == QG_Q8_0) {
         w->ws = qg_half(qg_rd16(row + b * 34));
-    } else if (qtype == QG_Q4_K) {
-        const uint8_t *blk = row + (b / 8) * 144;
+    } else if (qg_k4like(qtype)) {
+        const uint8_t *blk = row + (b / 8) * qg_block_bytes(qtype);
         uint8_t sc, mn;
         qg_k4_scale_min((int)(b % 8), blk + 4, &sc, &mn);
         w->ws = qg_half(qg_rd16(blk)) * (float)sc;
@@ -280,8 +291,39 @@ static inline __attribute__((always_inline)) void qg_scalars(int qtype, const ui
 #ifdef QG_AVX2
 // The 32 weights as unsigned bytes in element order (Q8_0: their magnitudes; *sgn the
 // signed bytes).
+// Byte i of the result: 0x10 where bit i of the 32 bits at p is set (a fifth bit in place).
+static inline __m256i qg_bits16(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i by = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v),  // byte i <- byte i / 8
+                                           _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                              0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// Bit g of each byte moved to bit 4 (0x10 or 0): fifth bits stored one per bit.
+static inline __m256i qg_bit_to4(__m256i v, int g) {
+    const __m256i t = g <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - g)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(g - 4));
+    return _mm256_and_si256(t, _mm256_set1_epi8(0x10));
+}
+
 static inline __attribute__((always_inline)) __m256i qg_wvec(int qtype, const uint8_t *row, int64_t b,
                                                              __m256i *sgn) {
+    if (qtype == QG_Q5_1) {  // d, m, 32 fifth bits, then Q4's nibbles
+        const uint8_t *blk = row + b * 24;
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 8));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+        return _mm256_or_si256(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), qg_bits16(blk + 4));
+    }
+    if (qtype == QG_Q5_K) {  // slice j: Q4_K's nibbles, fifth bits at bit j of the 32 qh bytes
+        const int j = (int)(b % 8);
+        const uint8_t *blk = row + (b / 8) * 176;
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 48 + (j / 2) * 32));
+        const __m256i v = (j & 1) ? _mm256_srli_epi16(raw, 4) : raw;
+        return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)),
+                               qg_bit_to4(_mm256_loadu_si256((const __m256i *)(blk + 16)), j));
+    }
     if (qtype == QG_Q4_0 || qtype == QG_Q4_1) {
         const uint8_t *qs = row + b * (qtype == QG_Q4_0 ? 18 : 20) + (qtype == QG_Q4_0 ? 2 : 4);
         const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
@@ -341,6 +383,19 @@ static inline __attribute__((always_inline)) void qg_decode(int qtype, const uin
         const int j = (int)(b % 8);
         const uint8_t *qs = row + (b / 8) * 144 + 16 + (j / 2) * 32;
         for (int i = 0; i < 32; ++i) w->u[i] = (qs[i] >> ((j % 2) * 4)) & 0x0F;
+    } else if (qtype == QG_Q5_1) {
+        const uint8_t *blk = row + b * 24;
+        uint32_t qh;
+        memcpy(&qh, blk + 4, 4);
+        for (int i = 0; i < 16; ++i) {
+            w->u[i] = (uint8_t)((blk[8 + i] & 0x0F) | (((qh >> i) & 1) << 4));
+            w->u[i + 16] = (uint8_t)((blk[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+        }
+    } else if (qtype == QG_Q5_K) {
+        const int j = (int)(b % 8);
+        const uint8_t *blk = row + (b / 8) * 176, *qs = blk + 48 + (j / 2) * 32;
+        for (int i = 0; i < 32; ++i)
+            w->u[i] = (uint8_t)(((qs[i] >> ((j % 2) * 4)) & 0x0F) | (((blk[16 + i] >> j) & 1) << 4));
     } else {
         const uint8_t *blk = row + (b / 8) * 210;
         const int j = (int)(b % 8), h = j / 4, a = j % 4;
@@ -448,6 +503,14 @@ static inline __attribute__((always_inline)) __m256i qg_idot8(int qtype, const q
 #endif
         }
         return acc;
+    }
+    if (qg_five(qtype)) {  // 4 pairs of 5-bit products fill 16 bits: two halves
+        __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            h0 = QG_ACC_ADD(h0, qg_bcast4(w->u + 4 * j), _mm256_load_si256((const __m256i *)(xg + 32 * j)));
+            h1 = QG_ACC_ADD(h1, qg_bcast4(w->u + 16 + 4 * j), _mm256_load_si256((const __m256i *)(xg + 128 + 32 * j)));
+        }
+        return _mm256_add_epi32(QG_ACC_I32(h0), QG_ACC_I32(h1));
     }
     __m256i acc = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j)
@@ -581,7 +644,7 @@ static inline __attribute__((always_inline)) __m256 qg_half8(const uint8_t *p, i
 static inline __attribute__((always_inline)) void qg_super(int qtype, const uint8_t *blk, __m256i u[8],
                                                            qg_scal8 *sv, int16_t sc16[8][2]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    if (qtype == QG_Q4_K) {
+    if (qg_k4like(qtype)) {
         const float d = qg_half(qg_rd16(blk)), dmin = qg_half(qg_rd16(blk + 2));
         // the 6-bit scales and mins of the 8 slices (qg_k4_scale_min), 4 bytes at a time
         uint32_t A, B, C;
@@ -596,10 +659,15 @@ static inline __attribute__((always_inline)) void qg_super(int qtype, const uint
         sv->ws = _mm256_mul_ps(_mm256_set1_ps(d), scf);
         sv->coef = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mnf), _mm256_set1_ps(-0.f));
         sv->c0 = sv->c1 = _mm256_setzero_ps();
+        const int64_t qs = qtype == QG_Q5_K ? 48 : 16;
         for (int c = 0; c < 4; ++c) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qs + 32 * c));
             u[2 * c] = _mm256_and_si256(raw, m4);
             u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        if (qtype == QG_Q5_K) {  // slice j's fifth bits: bit j of the 32 qh bytes
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], qg_bit_to4(qh, j));
         }
         return;
     }
@@ -653,13 +721,13 @@ static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, cons
     __m256i u[8], sg[8];
     int16_t sc16[8][2] = {{0}};
     qg_scal8 sv;
-    if (qtype == QG_Q4_K || qtype == QG_Q6_K) {  // a whole super-block: its header once
-        qg_super(qtype, row + (b0 / 8) * (qtype == QG_Q4_K ? 144 : 210), u, &sv, sc16);
+    if (qg_k4like(qtype) || qtype == QG_Q6_K) {  // a whole super-block: its header once
+        qg_super(qtype, row + (b0 / 8) * qg_block_bytes(qtype), u, &sv, sc16);
         for (int j = 0; j < 8; ++j) sg[j] = _mm256_setzero_si256();
-    } else {  // Q4_0, Q4_1, Q8_0
-        const int64_t bs = qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34;
+    } else {  // Q4_0, Q4_1, Q5_1, Q8_0
+        const int64_t bs = qg_block_bytes(qtype);
         sv.ws = qg_half8(row + b0 * bs, bs);
-        sv.coef = qtype == QG_Q4_1   ? qg_half8(row + b0 * bs + 2, bs)
+        sv.coef = qg_min32(qtype)    ? qg_half8(row + b0 * bs + 2, bs)
                   : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), sv.ws)
                                      : _mm256_setzero_ps();
         sv.c0 = sv.c1 = _mm256_setzero_ps();
@@ -680,7 +748,7 @@ static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, cons
 }
 
 // The last t (= nb % 8) blocks of r <= 8 / t consecutive weight rows in one chunk: lane
-// k t + i holds block nb - t + i of row n + k (Q4_0, Q4_1, Q8_0; K-quant rows are whole
+// k t + i holds block nb - t + i of row n + k (Q4_0, Q4_1, Q5_1, Q8_0; K-quant rows are whole
 // super-blocks). Each lane computes what the row's own tail chunk would, and row k's lanes
 // move to lanes 0..t-1 of its partial sums (the others add +0, as past a row's end), so
 // the sums are the same bits; a tail no longer costs a whole chunk per row (K = 576: 2 of
@@ -713,7 +781,7 @@ static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const
                                                                 int64_t row_bytes, const qg_act *a, int MR,
                                                                 __m256 part[][QG_SMALL_MAX]) {
     const int t = pl->t;
-    const int64_t bt = a->nb - t, bs = qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34;
+    const int64_t bt = a->nb - t, bs = qg_block_bytes(qtype);
     __m256i u[8], sg[8], scv[8];
     uint16_t hd[8], hm[8];
     for (int L = 0; L < 8; ++L) {
@@ -726,11 +794,11 @@ static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const
         }
         const uint8_t *row = w + (n + k) * row_bytes;
         hd[L] = qg_rd16(row + (bt + i) * bs);
-        hm[L] = qtype == QG_Q4_1 ? qg_rd16(row + (bt + i) * bs + 2) : 0;
+        hm[L] = qg_min32(qtype) ? qg_rd16(row + (bt + i) * bs + 2) : 0;
         u[L] = qg_wvec(qtype, row, bt + i, &sg[L]);
     }
     const __m256 ws = qg_cvt8(hd);
-    const __m256 coef = qtype == QG_Q4_1   ? qg_cvt8(hm)
+    const __m256 coef = qg_min32(qtype)    ? qg_cvt8(hm)
                         : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
                                            : _mm256_setzero_ps();
     const __m256i gather = pl->gather;
@@ -798,7 +866,7 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
 static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtype, const uint8_t *gp,
                                                                   const qg_act *a, float *out,
                                                                   int64_t ldo, int64_t n, const int MR) {
-    const int64_t blk = 8 * (qtype == QG_Q4_0 ? 18 : qtype == QG_Q4_1 ? 20 : 34), hdr = qg_pk_hdr(qtype);
+    const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256 neg = _mm256_set1_ps(-0.0f);
     __m256 part[QG_SMALL_MAX][8];
@@ -822,8 +890,10 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
             sc1 = _mm256_or_si256(_mm256_and_si256(sc1, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc1, 16));
 #endif
             wq = (const __m256i *)(sl + 16);
-        } else if (qtype == QG_Q4_K) {  // as qg_scalars: d * sc, -(dmin * mn)
-            const uint8_t *sb = gp + (b / 8) * QG_PK_K4_SB, *sl = sb + QG_PK_K4_HDR + (b % 8) * QG_PK_K4_SLICE;
+        } else if (qg_k4like(qtype)) {  // as qg_scalars: d * sc, -(dmin * mn)
+            const int64_t sbb = qtype == QG_Q4_K ? QG_PK_K4_SB : QG_PK_K5_SB;
+            const int64_t slb = qtype == QG_Q4_K ? QG_PK_K4_SLICE : QG_PK_K5_SLICE;
+            const uint8_t *sb = gp + (b / 8) * sbb, *sl = sb + QG_PK_K4_HDR + (b % 8) * slb;
             const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sl)));
             const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sl + 8))));
             ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), sc);
@@ -831,7 +901,7 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
             wq = (const __m256i *)(sl + 16);
         } else {
             ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            coef = qtype == QG_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+            coef = qg_min32(qtype)    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
                    : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
                                       : _mm256_setzero_ps();
             wq = (const __m256i *)(p + hdr);
@@ -855,6 +925,10 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
                 const __m256i v = _mm256_loadu_si256(wq + h);
                 u[h] = _mm256_and_si256(v, m4);
                 u[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            if (qg_five(qtype)) {  // bit g of the fifth-bit vector: weights 4g..4g+3
+                const __m256i hv = _mm256_loadu_si256(wq + 4);
+                for (int g = 0; g < 8; ++g) u[g] = _mm256_or_si256(u[g], qg_bit_to4(hv, g));
             }
         }
         for (int m = 0; m < MR; ++m) {
@@ -886,6 +960,13 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
 #endif
                 }
                 acc = _mm256_add_epi32(h[0], h[1]);
+            } else if (qg_five(qtype)) {  // 4 x 2 products of 5 bits fill 16 bits
+                __m256i h1 = _mm256_setzero_si256();
+                for (int g = 0; g < 4; ++g) {
+                    acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
+                    h1 = QG_ACC_ADD(h1, u[g + 4], qg_bcast4(x + 16 + 4 * g));
+                }
+                acc = _mm256_add_epi32(QG_ACC_I32(acc), QG_ACC_I32(h1));
             } else {  // 8 x 2 products of 4 bits: within 16 bits
                 for (int g = 0; g < 8; ++g) acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
                 acc = QG_ACC_I32(acc);
@@ -925,7 +1006,7 @@ static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype
                                                                  int64_t n0, int64_t n1, int64_t row_bytes,
                                                                  const qg_act *a, float *out, int64_t ldo) {
     const int t = (int)(a->nb % 8);
-    if (!a->inter && t && (qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q8_0)) {
+    if (!a->inter && t && (qtype == QG_Q4_0 || qg_min32(qtype) || qtype == QG_Q8_0)) {
         qg_tailplan pl;
         qg_tailplan_init(&pl, t);
         for (int64_t n = n0; n < n1; n += 8 / t) {
@@ -985,8 +1066,10 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
             switch (qtype) {  // each type's loop compiled on its own
             case QG_Q4_0: qg_groups_packed(QG_Q4_0, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q4_1: qg_groups_packed(QG_Q4_1, wp, g0, g1, row_bytes, a, out, ldo); break;
+            case QG_Q5_1: qg_groups_packed(QG_Q5_1, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q8_0: qg_groups_packed(QG_Q8_0, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q4_K: qg_groups_packed(QG_Q4_K, wp, g0, g1, row_bytes, a, out, ldo); break;
+            case QG_Q5_K: qg_groups_packed(QG_Q5_K, wp, g0, g1, row_bytes, a, out, ldo); break;
             default: qg_groups_packed(QG_Q6_K, wp, g0, g1, row_bytes, a, out, ldo); break;
             }
             qg_rows(qtype, w, NULL, 8 * g1, n1, row_bytes, a, out, ldo);
@@ -996,8 +1079,10 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
     switch (qtype) {
     case QG_Q4_0: qg_rows_simd_t(QG_Q4_0, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q4_1: qg_rows_simd_t(QG_Q4_1, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q5_1: qg_rows_simd_t(QG_Q5_1, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q8_0: qg_rows_simd_t(QG_Q8_0, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q4_K: qg_rows_simd_t(QG_Q4_K, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q5_K: qg_rows_simd_t(QG_Q5_K, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q6_K: qg_rows_simd_t(QG_Q6_K, w, n0, n1, row_bytes, a, out, ldo); return;
     }
 #else
@@ -1070,12 +1155,23 @@ int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_byte
 // qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 a row per super-block, the others' as
 // many as the original). Returns 0, or -1 for an unknown type, a bad shape or N not a
 // multiple of 8.
+// A row's fifth bits (bit 4 of its 32 weights u) as its 4 bytes of the copy's fifth-bit
+// vector: byte i, bit g = weight 4g + i.
+static void qg_pack_bit4(const uint8_t u[32], uint8_t *dst) {
+    for (int i = 0; i < 4; ++i) {
+        uint8_t hb = 0;
+        for (int g = 0; g < 8; ++g) hb |= (uint8_t)(((u[4 * g + i] >> 4) & 1) << g);
+        dst[i] = hb;
+    }
+}
+
 int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
     if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
-    if (qtype == QG_Q4_K || qtype == QG_Q6_K) {
-        const int k4 = qtype == QG_Q4_K;
-        const int64_t sbb = k4 ? QG_PK_K4_SB : QG_PK_K6_SB, hdr = k4 ? QG_PK_K4_HDR : QG_PK_K6_HDR;
-        const int64_t slb = k4 ? QG_PK_K4_SLICE : QG_PK_K6_SLICE, pkr = qg_pk_row_bytes(qtype, K, row_bytes);
+    if (qg_k4like(qtype) || qtype == QG_Q6_K) {
+        const int k4 = qg_k4like(qtype), k5 = qtype == QG_Q5_K;
+        const int64_t sbb = k5 ? QG_PK_K5_SB : k4 ? QG_PK_K4_SB : QG_PK_K6_SB, hdr = k4 ? QG_PK_K4_HDR : QG_PK_K6_HDR;
+        const int64_t slb = k5 ? QG_PK_K5_SLICE : k4 ? QG_PK_K4_SLICE : QG_PK_K6_SLICE;
+        const int64_t pkr = qg_pk_row_bytes(qtype, K, row_bytes);
         for (int64_t g = 0; g < N / 8; ++g)
             for (int64_t sb = 0; sb < K / QG_QKK; ++sb) {
                 uint8_t *o = out + g * 8 * pkr + sb * sbb;
@@ -1085,7 +1181,7 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
                     if (k4) memcpy(o + 16 + 2 * r, blk + 2, 2);  // dmin
                     for (int j = 0; j < 8; ++j) {
                         uint8_t *sl = o + hdr + j * slb;
-                        qg_wblk wb;  // the slice's weights (0-15 or 0-63) and scales
+                        qg_wblk wb;  // the slice's weights (0-15, 0-31 or 0-63) and scales
                         qg_decode(qtype, row, sb * 8 + j, &wb);
                         if (k4) {
                             qg_k4_scale_min(j, blk + 4, sl + r, sl + 8 + r);
@@ -1098,6 +1194,7 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
                             for (int i = 0; i < 4; ++i)
                                 sl[16 + 32 * h + 4 * r + i] =
                                     (uint8_t)((wb.u[4 * h + i] & 0x0F) | ((wb.u[16 + 4 * h + i] & 0x0F) << 4));
+                        if (k5) qg_pack_bit4(wb.u, sl + 144 + 4 * r);
                         if (k4) continue;
                         for (int q = 0; q < 2; ++q)  // Q6_K's top 2 bits
                             for (int i = 0; i < 4; ++i) {
@@ -1111,6 +1208,25 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
         return 0;
     }
     const int64_t nb = K / QG_QK, bs = qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
+    if (qtype == QG_Q5_1) {  // Q4_1's layout, then the fifth bits' vector
+        for (int64_t g = 0; g < N / 8; ++g)
+            for (int64_t b = 0; b < nb; ++b) {
+                uint8_t *o = out + g * 8 * row_bytes + b * 8 * bs;
+                for (int r = 0; r < 8; ++r) {
+                    const uint8_t *row = w + (g * 8 + r) * row_bytes;
+                    memcpy(o + 2 * r, row + b * bs, 2);            // d
+                    memcpy(o + 16 + 2 * r, row + b * bs + 2, 2);  // m
+                    qg_wblk wb;
+                    qg_decode(qtype, row, b, &wb);
+                    for (int h = 0; h < 4; ++h)
+                        for (int i = 0; i < 4; ++i)
+                            o[hdr + 32 * h + 4 * r + i] =
+                                (uint8_t)((wb.u[4 * h + i] & 0x0F) | ((wb.u[16 + 4 * h + i] & 0x0F) << 4));
+                    qg_pack_bit4(wb.u, o + hdr + 128 + 4 * r);
+                }
+            }
+        return 0;
+    }
     const int nw = qg_pk_words(qtype);
     const int64_t off = bs - 4 * nw;  // the quants follow the block's scale (and min)
     for (int64_t g = 0; g < N / 8; ++g)

@@ -62,10 +62,13 @@ class Weights:
         b = None
         if bias is not None:
             b = torch.cat([self.get(n) for n in bias])
-        quant = concat_rows([self.qw.get(n) for n in names])
+        qs = [self.qw.get(n) for n in names]
+        quant = concat_rows(qs)
         tp = self.tp
         if tp is None:
-            return Linear(weight, b, quant, self.lib, int8=self.int8)
+            # parts of different types (K-quant mixes: attn_v wider than q and k) stay apart
+            parts = tuple(q for q in qs if q is not None) if quant is None and None not in qs else None
+            return Linear(weight, b, quant, self.lib, int8=self.int8, parts=parts)
         layout = tp.layout
         if layout.vocab_parallel(names[0]) and weight.shape[0] < layout.vocab_per_rank:
             weight, quant = _pad_rows(weight, quant, layout.vocab_per_rank)
