@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -211,20 +210,23 @@ def _quants(linear: Any) -> tuple[QuantizedWeight, ...]:
     return (linear.quant,) if linear.quant is not None else tuple(linear.parts or ())
 
 
+def _copy_bytes(q: QuantizedWeight, lib: Any) -> int:
+    """The bytes of the repacked copy of one raw weight (0: none)."""
+    if q.qtype not in PACKED_QTYPES or q.shape[0] % 8:
+        return 0
+    return max(0, lib.qgemm_pack_bytes(QTYPES[q.qtype][0], q.shape[0], q.shape[1]))
+
+
 def _repacked_bytes(linear: Any, lib: Any) -> int:
     """The bytes of the repacked copies `_lin` makes of this linear (0: none)."""
-    total = 0
-    for q in _quants(linear):
-        if q.qtype in PACKED_QTYPES and q.shape[0] % 8 == 0:
-            total += max(0, lib.qgemm_pack_bytes(QTYPES[q.qtype][0], q.shape[0], q.shape[1]))
-    return total
+    return sum(_copy_bytes(q, lib) for q in _quants(linear))
 
 
 def _lin(linear: Any, keep: list[Any], lib: Any, pack: bool) -> _Lin:
     if linear.quant is None:  # parts of different types, each its own _Lin (and copy)
         parts = (_Lin * len(linear.parts))()
         for i, q in enumerate(linear.parts):
-            parts[i] = _lin(SimpleNamespace(quant=q, bias=None), keep, lib, pack)
+            parts[i] = _single_lin(q, keep, lib, pack)
         keep.append(parts)
         out = _Lin()
         out.N, out.K = sum(q.shape[0] for q in linear.parts), linear.parts[0].shape[1]
@@ -245,7 +247,7 @@ def _single_lin(q: QuantizedWeight, keep: list[Any], lib: Any, pack: bool) -> _L
     out = _Lin()
     out.w, out.N, out.K, out.row_bytes = q.data.data_ptr(), q.shape[0], q.shape[1], q.data.shape[1]
     out.qtype = QTYPES[q.qtype][0]
-    size = _repacked_bytes(SimpleNamespace(quant=q), lib) if pack else 0
+    size = _copy_bytes(q, lib) if pack else 0
     if size:
         # a second copy, repacked 8 rows at a time, read by the step at every row count,
         # prompt chunks included (its memory, Q4_K's 3% more than the original, for 1.2-1.9x

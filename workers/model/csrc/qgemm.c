@@ -1151,10 +1151,14 @@ int qgemm_q8(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_byte
     return qg_gemm(qtype, w, NULL, N, K, row_bytes, x, ldx, M, out, scratch, n_threads, QG_INTER_MIN);
 }
 
-// Repack rows of any type for the few-row path (qg_rows8_packed's layout): out has
-// qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 a row per super-block, the others' as
-// many as the original). Returns 0, or -1 for an unknown type, a bad shape or N not a
-// multiple of 8.
+// A row's 32 weights u (one slice or block) as its bytes of the copy's Q4 vectors: the low
+// 4 bits as Q4_0's bytes (weight i low, i + 16 high), vector h's 4 bytes at dst + 32 h.
+static void qg_pack_nibbles(const uint8_t u[32], uint8_t *dst) {
+    for (int h = 0; h < 4; ++h)
+        for (int i = 0; i < 4; ++i)
+            dst[32 * h + i] = (uint8_t)((u[4 * h + i] & 0x0F) | ((u[16 + 4 * h + i] & 0x0F) << 4));
+}
+
 // A row's fifth bits (bit 4 of its 32 weights u) as its 4 bytes of the copy's fifth-bit
 // vector: byte i, bit g = weight 4g + i.
 static void qg_pack_bit4(const uint8_t u[32], uint8_t *dst) {
@@ -1165,6 +1169,10 @@ static void qg_pack_bit4(const uint8_t u[32], uint8_t *dst) {
     }
 }
 
+// Repack rows of any type for the few-row path (qg_rows8_packed's layout): out has
+// qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 and Q5_K's 180 a row per super-block,
+// the others' as many as the original). Returns 0, or -1 for an unknown type, a bad shape or
+// N not a multiple of 8.
 int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
     if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
     if (qg_k4like(qtype) || qtype == QG_Q6_K) {
@@ -1189,11 +1197,7 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
                             sl[r] = (uint8_t)wb.sc16[0];
                             sl[8 + r] = (uint8_t)wb.sc16[1];
                         }
-                        // the low 4 bits as Q4_0's bytes: weight i low, i + 16 high
-                        for (int h = 0; h < 4; ++h)
-                            for (int i = 0; i < 4; ++i)
-                                sl[16 + 32 * h + 4 * r + i] =
-                                    (uint8_t)((wb.u[4 * h + i] & 0x0F) | ((wb.u[16 + 4 * h + i] & 0x0F) << 4));
+                        qg_pack_nibbles(wb.u, sl + 16 + 4 * r);
                         if (k5) qg_pack_bit4(wb.u, sl + 144 + 4 * r);
                         if (k4) continue;
                         for (int q = 0; q < 2; ++q)  // Q6_K's top 2 bits
@@ -1218,10 +1222,7 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
                     memcpy(o + 16 + 2 * r, row + b * bs + 2, 2);  // m
                     qg_wblk wb;
                     qg_decode(qtype, row, b, &wb);
-                    for (int h = 0; h < 4; ++h)
-                        for (int i = 0; i < 4; ++i)
-                            o[hdr + 32 * h + 4 * r + i] =
-                                (uint8_t)((wb.u[4 * h + i] & 0x0F) | ((wb.u[16 + 4 * h + i] & 0x0F) << 4));
+                    qg_pack_nibbles(wb.u, o + hdr + 4 * r);
                     qg_pack_bit4(wb.u, o + hdr + 128 + 4 * r);
                 }
             }
