@@ -14,7 +14,8 @@
 //    broadcast to meet 8 weight rows in one instruction; without one (or for rows outside
 //    whole groups of 8: threads share rows out in whole groups, so only a row count that is
 //    no multiple of 8 has them) a weight block is unpacked once and meets each row's 32
-//    bytes in one vector, then 8 blocks' dots are reduced across lanes.
+//    bytes in one vector, then 8 blocks' dots are reduced across lanes. From
+//    QG_BLOCKED_MIN rows the copy's path reads each pass through a block-major copy.
 //  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
 //    a vector is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
 //    (batches and prefill on weights without a copy). It reads 8x the activation bytes
@@ -28,6 +29,7 @@
 // compiler fuses nothing the code does not.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fp16.h"
@@ -70,7 +72,9 @@ static inline int qg_k4like(int qtype) { return qtype == QG_Q4_K || qtype == QG_
 static inline int qg_five(int qtype) { return qtype == QG_Q5_1 || qtype == QG_Q5_K; }
 // The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
-enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64 };
+// QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
+// activations (qg_act_blocked).
+enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16 };
 #define QG_PACKED_INTER_MIN INT64_MAX
 
 static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 weights
@@ -137,6 +141,7 @@ static inline float qg_tree8(const float *p) {
 typedef struct {
     int64_t M, K, nb, G;  // rows, columns, 32-blocks per row, 8-row groups
     int inter;            // interleaved layout
+    int blocked;          // a pass's rows block by block (qg_act_blocked): [block][row]
     int8_t *q;
     float *d, *s, *s0, *s1;
 } qg_act;
@@ -152,6 +157,7 @@ static void qg_act_init(qg_act *a, void *buf, int64_t M, int64_t K, int64_t inte
     a->nb = K / QG_QK;
     a->G = (M + 7) / 8;
     a->inter = M >= inter_min;
+    a->blocked = 0;
     uintptr_t p = ((uintptr_t)buf + 31) & ~(uintptr_t)31;
     a->q = (int8_t *)p;
     p += (uintptr_t)(a->G * 8 * K);
@@ -872,6 +878,9 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
     __m256 part[QG_SMALL_MAX][8];
     for (int m = 0; m < MR; ++m)
         for (int j = 0; j < 8; ++j) part[m][j] = _mm256_setzero_ps();
+    // where row m's block b starts: its bytes at m * qm + b * qb, its floats at m * fm + b * fb
+    const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
+    const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
     for (int64_t b = 0; b < a->nb; ++b) {
         const uint8_t *p = gp + b * blk;
         __m256 ws, coef, coef1 = _mm256_setzero_ps();
@@ -932,7 +941,7 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
             }
         }
         for (int m = 0; m < MR; ++m) {
-            const int8_t *x = a->q + m * a->K + b * QG_QK;
+            const int8_t *x = a->q + m * qm + b * qb;
             __m256i acc = _mm256_setzero_si256();
             if (qtype == QG_Q8_0) {  // |w| against x with w's sign; one pair fills 16 bits
                 for (int g = 0; g < 8; ++g) {
@@ -971,7 +980,7 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
                 for (int g = 0; g < 8; ++g) acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
                 acc = QG_ACC_I32(acc);
             }
-            const int64_t f = m * a->nb + b;
+            const int64_t f = m * fm + b * fb;
             __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ws, _mm256_set1_ps(a->d[f])));
             if (qtype == QG_Q6_K) {
                 v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s0[f]), v);
@@ -990,11 +999,51 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
     }
 }
 
+// A row-major pass's activations copied block by block into this thread's buffer (grown,
+// kept for the thread's life): one block of every row is then one run of bytes. Row-major,
+// the rows lie K bytes apart, and where K is a multiple of 1024 (a 1024-4096 hidden size)
+// every row's block falls in the same few L1 sets: from 16-32 rows they evict each other
+// and the weights. Copied, the repacked kernel runs about 1.1x faster at 64-512 rows
+// (docs/benchmarks.md, "Block-major activations"); the bits are the same. 0, or -1 (no
+// memory: the caller keeps a).
+static int qg_act_blocked(const qg_act *a, qg_act *v) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    const int64_t n = a->M * a->nb;
+    const size_t need = (size_t)(n * QG_QK + 4 * n * (int64_t)sizeof(float));
+    if (need > cap) {
+        free(buf);
+        cap = 0;
+        buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        if (buf == NULL) return -1;
+        cap = need;
+    }
+    *v = *a;
+    v->blocked = 1;
+    v->q = (int8_t *)buf;
+    v->d = (float *)(buf + n * QG_QK);
+    v->s = v->d + n;
+    v->s0 = v->s + n;
+    v->s1 = v->s0 + n;
+    for (int64_t m = 0; m < a->M; ++m)
+        for (int64_t b = 0; b < a->nb; ++b) {
+            const int64_t f = m * a->nb + b, g = b * a->M + m;
+            memcpy(v->q + g * QG_QK, a->q + f * QG_QK, QG_QK);
+            v->d[g] = a->d[f];
+            v->s[g] = a->s[f];
+            v->s0[g] = a->s0[f];
+            v->s1[g] = a->s1[f];
+        }
+    return 0;
+}
+
 // Groups g0..g1-1 of 8 weight rows from the repacked copy.
 static inline __attribute__((always_inline)) void qg_groups_packed(const int qtype, const uint8_t *wp,
                                                                    int64_t g0, int64_t g1, int64_t row_bytes,
                                                                    const qg_act *a, float *out, int64_t ldo) {
     const int64_t pk_bytes = qg_pk_row_bytes(qtype, a->K, row_bytes);
+    qg_act v;
+    if (a->M >= QG_BLOCKED_MIN && !qg_act_blocked(a, &v)) a = &v;
     for (int64_t g = g0; g < g1; ++g) {
         const uint8_t *gp = wp + g * 8 * pk_bytes;
         if (a->M == 1) qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, 1);  // batch-1 decode
