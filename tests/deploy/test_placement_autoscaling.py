@@ -266,7 +266,10 @@ def test_a_worker_the_load_wants_gets_the_node_the_autoscaler_adds(autoscaled):
                     for i in range(3)]
             return await asyncio.gather(*(svc.complete(r) for r in reqs))
 
-        with ThreadPoolExecutor(1) as ex:
+        # Not `with`: should a check fail while the engine is held, the executor's exit
+        # would wait on the three requests forever and hide the failure.
+        ex = ThreadPoolExecutor(1)
+        try:
             waiting = ex.submit(asyncio.run, three())
             want = "waiting for resources: {CPU: 1}"
 
@@ -292,6 +295,10 @@ def test_a_worker_the_load_wants_gets_the_node_the_autoscaler_adds(autoscaled):
             assert _until("worker-1 placed and ready", serving)["node_id"] == node["NodeID"]
             ray.get(w0.resume_engine.remote())
             done = waiting.result(timeout=WAIT_S)
+        finally:
+            with contextlib.suppress(Exception):  # a failed check: let the requests end
+                ray.get(w0.resume_engine.remote(), timeout=WAIT_S)
+            ex.shutdown(wait=False)  # the router's kill below ends any still waiting
         assert all(len(r.token_ids) == 4 for r in done)
         on_new = _complete(svc, [0])
         assert on_new.worker_id == "worker-1" and len(on_new.token_ids) == 6
