@@ -10,6 +10,9 @@ argmax, no detokenization), as llama-batched-bench drives llama_decode.
 `--llama-batched-bench BIN` runs llama.cpp's own binary on the same GGUF point by point,
 interleaved with kvserve's (kvserve, llama.cpp, next point), and prints both and their
 ratios: the two see the same machine state, which on a shared host drifts within minutes.
+`--repeat N` runs every point N times, alternating the two engines each time, and prints
+the medians, with the range of the paired ratios (each kvserve run against the llama.cpp
+run right after it): one run of a point on a noisy host can be off by 20% either way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +50,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    "point by point, interleaved")
     p.add_argument("--llama-args", default="-fa on",
                    help="extra llama-batched-bench arguments (with --llama-batched-bench)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="runs per point (alternating with llama.cpp's); the tables give medians")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(func=cmd_batched)
@@ -109,6 +115,8 @@ def cmd_batched(a: argparse.Namespace) -> int:
     from kvserve.workers.loading.loader import load_model
     from kvserve.workers.model.runner import DTYPES, ModelRunner
 
+    if a.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     if a.threads:
         torch.set_num_threads(a.threads)
     npp, ntg, npl = _ints(a.npp), _ints(a.ntg), _ints(a.npl)
@@ -131,11 +139,16 @@ def cmd_batched(a: argparse.Namespace) -> int:
 
         bar = tqdm(total=len(points), desc="batched", unit="pt", file=sys.stderr)
     for i, (pp, tg, b) in enumerate(points):
-        load = os.getloadavg()[0]
-        rows.append(run_point(runner, pp, tg, b, a.max_num_batched_tokens, seed=i))
-        rows[-1]["load_1min"] = load
-        if a.llama_batched_bench:
-            peer.append(run_llama_point(a, path, pp, tg, b))
+        mine, theirs = [], []
+        for _ in range(a.repeat):  # the same prompts each time
+            load = os.getloadavg()[0]
+            mine.append(run_point(runner, pp, tg, b, a.max_num_batched_tokens, seed=i))
+            mine[-1]["load_1min"] = load
+            if a.llama_batched_bench:
+                theirs.append(run_llama_point(a, path, pp, tg, b))
+        rows.append(median_row(mine))
+        if theirs:
+            peer.append(median_row(theirs))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -155,6 +168,16 @@ def cmd_batched(a: argparse.Namespace) -> int:
             report["llama_cpp"] = peer
         write_json(a.json, report)
     return 0
+
+
+def median_row(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """One point's runs as one row: each figure's median (PP, TG, B and N_KV are the same in
+    every run), with every run's S_PP and S_TG kept in `runs_S_PP` / `runs_S_TG`."""
+    row: dict[str, Any] = {k: (statistics.median(r[k] for r in runs) if k not in ("PP", "TG", "B", "N_KV")
+                               else runs[0][k]) for k in runs[0]}
+    row["runs_S_PP"] = [r["S_PP"] for r in runs]
+    row["runs_S_TG"] = [r["S_TG"] for r in runs]
+    return row
 
 
 def run_llama_point(a: argparse.Namespace, path: str, pp: int, tg: int, b: int) -> dict[str, float]:
@@ -188,17 +211,32 @@ def parse_llama_table(text: str) -> list[dict[str, float]]:
     return rows
 
 
-def format_comparison(rows: list[dict[str, float]], peer: list[dict[str, float]]) -> str:
-    """kvserve's S_PP and S_TG next to llama.cpp's, point by point, and their ratios."""
-    head = ("|    PP |    B | llama.cpp S_PP | kvserve S_PP | ratio | llama.cpp S_TG | "
-            "kvserve S_TG | ratio |")
+def _ratio_range(mine: list[float], theirs: list[float]) -> str:
+    """The lowest and highest of the paired runs' ratios (run i against run i)."""
+    rs = [m / t for m, t in zip(mine, theirs, strict=True) if t]
+    return f"{min(rs):.2f}-{max(rs):.2f}" if rs else "-"
+
+
+def format_comparison(rows: list[dict[str, Any]], peer: list[dict[str, Any]]) -> str:
+    """kvserve's S_PP and S_TG next to llama.cpp's, point by point, and their ratios (of the
+    medians; with several runs a point, also the range of the paired runs' ratios)."""
+    runs = len(rows[0].get("runs_S_TG", [0])) if rows else 1
+    rng = " paired runs |" if runs > 1 else ""
+    head = (f"|    PP |    B | llama.cpp S_PP | kvserve S_PP | ratio |{rng} llama.cpp S_TG | "
+            f"kvserve S_TG | ratio |{rng}")
     lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r, q in zip(rows, peer, strict=True):
         pp_ratio = f"{r['S_PP'] / q['S_PP']:5.2f}" if r["PP"] and q["S_PP"] else "    -"
         pp_l = f"{q['S_PP']:14.1f}" if r["PP"] else f"{'-':>14}"
         pp_k = f"{r['S_PP']:12.1f}" if r["PP"] else f"{'-':>12}"
-        lines.append(f"| {int(r['PP']):5d} | {int(r['B']):4d} | {pp_l} | {pp_k} | {pp_ratio} | "
-                     f"{q['S_TG']:14.1f} | {r['S_TG']:12.1f} | {r['S_TG'] / q['S_TG']:5.2f} |")
+        pp_rng = tg_rng = ""
+        if runs > 1:
+            pp_rng = f" {_ratio_range(r['runs_S_PP'], q['runs_S_PP']) if r['PP'] else '-':>11} |"
+            tg_rng = f" {_ratio_range(r['runs_S_TG'], q['runs_S_TG']):>11} |"
+        lines.append(f"| {int(r['PP']):5d} | {int(r['B']):4d} | {pp_l} | {pp_k} | {pp_ratio} |{pp_rng} "
+                     f"{q['S_TG']:14.1f} | {r['S_TG']:12.1f} | {r['S_TG'] / q['S_TG']:5.2f} |{tg_rng}")
+    if runs > 1:
+        lines.append(f"medians of {runs} runs a point, the engines alternating")
     return "\n".join(lines)
 
 
