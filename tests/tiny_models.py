@@ -277,7 +277,7 @@ def write_gguf(
 
 
 def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """Q4_K, Q5_K or Q6_K blocks of a 2-D float array ([rows, cols], cols a multiple of 256) as raw
+    """Q3_K, Q4_K, Q5_K or Q6_K blocks of a 2-D float array ([rows, cols], cols a multiple of 256) as raw
     bytes [rows, cols / 256 * block bytes], quantized plainly (no search for the best scales,
     as llama.cpp does: these only need to be valid blocks for tests)."""
     import gguf
@@ -317,6 +317,20 @@ def quantize_k(array: np.ndarray, qtype: Any) -> np.ndarray:
         qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
         blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8),
                                  d.astype(np.float16).view(np.uint8)], axis=1)
+    elif qtype == gguf.GGMLQuantizationType.Q3_K:  # d * (sc - 32) * (q - 4) per 16 weights
+        sub = x.reshape(n, 16, 16)
+        scale = np.abs(sub).max(-1) / 4
+        d = np.maximum(scale.max(-1, keepdims=True) / 31, 1e-8).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.rint(scale / d), 1, 31).astype(np.int16)
+        q = np.clip(np.rint(sub / (d * sc)[..., None]), -4, 3).astype(np.int16).reshape(n, 256) + 4
+        sc6 = (sc + 32).astype(np.uint8)  # 6 bits: low nibbles in bytes 0-7, top 2 in 8-11
+        scales = np.concatenate([(sc6[:, :8] & 15) | ((sc6[:, 8:] & 15) << 4),
+                                 sum(((sc6[:, 4 * k:4 * k + 4] >> 4) << (2 * k)) for k in range(4))], axis=1)
+        q = q.reshape(n, 2, 4, 32).astype(np.uint8)  # half, pair of bits in qs, 32 weights
+        qs = sum(((q[:, :, j] & 3) << (2 * j)) for j in range(4)).reshape(n, 64)
+        hmask = sum(((q[:, h, j] >> 2) << (4 * h + j)) for h in range(2) for j in range(4))
+        blocks = np.concatenate([hmask.astype(np.uint8), qs.astype(np.uint8), scales.astype(np.uint8),
+                                 d.astype(np.float16).view(np.uint8)], axis=1)
     else:
         raise ValueError(f"not a K-quant: {qtype}")
     return blocks.reshape(rows, -1)
@@ -340,11 +354,12 @@ def quantize_iq4_nl(array: np.ndarray) -> np.ndarray:
 
 
 def quantize_blocks(array: np.ndarray, qtype: Any) -> np.ndarray:
-    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q4_K / Q5_K /
-    Q6_K and quantize_iq4_nl (gguf has no quantizer for these)."""
+    """Raw ggml blocks of a 2-D float array: gguf's quantizer, or quantize_k for Q3_K / Q4_K /
+    Q5_K / Q6_K and quantize_iq4_nl (gguf has no quantizer for these)."""
     import gguf
 
-    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):
+    T = gguf.GGMLQuantizationType
+    if qtype in (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
         return quantize_k(array, qtype)
     if qtype == gguf.GGMLQuantizationType.IQ4_NL:
         return quantize_iq4_nl(array)

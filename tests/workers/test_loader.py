@@ -221,6 +221,27 @@ def test_gguf_from_hf_model(tmp_path, arch: str, qtype: Q, atol: float) -> None:
     assert_same_weights(loaded, reference, atol=atol)
 
 
+def test_q3_k_blocks_become_q6_k_blocks_of_the_same_values() -> None:
+    """Every Q3_K block (random bytes: every scale, low-bit and high-bit pattern) rewritten as
+    Q6_K dequantizes to gguf's float32 bits for the original, with leading dimensions kept
+    (MoE experts' rows)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from kvserve.workers.loading.quant_format import as_q6_k
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=(2, 5, 3 * 110), dtype=np.uint8)
+    d = rng.uniform(-0.1, 0.1, size=(2, 5, 3)).astype(np.float16)
+    for k in range(3):
+        raw[..., 110 * k + 108:110 * k + 110] = d[..., k:k + 1].view(np.uint8)
+    out = as_q6_k(raw)
+    assert out.shape == (2, 5, 3 * 210)
+    want = dequantize(raw.reshape(10, -1), Q.Q3_K)
+    got = dequantize(out.reshape(10, -1), Q.Q6_K)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_layout_agrees_with_transformers(tmp_path, arch: str) -> None:
     """The Q/K layout convention per architecture, checked against transformers' GGUF reader."""

@@ -23,6 +23,13 @@ EXACT_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # falls back to Q5_0 there, and to IQ4_NL for the lower K-quants and i-quants). The rows
 # grow from 22 or 18 bytes a block to 34; their float fallback took 128.
 AS_Q8_0 = ("Q5_0", "IQ4_NL")
+# Types whose every block is a Q6_K block exactly. Q3_K's weights are d * (sc - 32) * (q - 4)
+# with a 6-bit scale per 16 and q - 4 in [-4, 3]; Q6_K's are d * sc * (q - 32) with an int8
+# scale per 16 and a 6-bit q: the same d, sc - 32 and q + 28 give the same products (gguf
+# dequantizes both to the same float32 bits). The loader rewrites Q3_K (most of a Q3_K_M or
+# Q3_K_S file) as Q6_K so the int8 kernels run it: 210 bytes a block instead of 110, where
+# the float fallback read 1024.
+AS_Q6_K = ("Q3_K",)
 _IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                           dtype=np.int8)
 
@@ -74,3 +81,36 @@ def as_q8_0(raw: np.ndarray, qtype: str) -> np.ndarray:
     out[:, :2] = b[:, :2]  # the f16 scale
     out[:, 2:] = q.astype(np.int8).view(np.uint8)
     return out.reshape(*lead, row // size * 34)
+
+
+def as_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Raw Q3_K blocks (rows of blocks, any leading dimensions) rewritten as the Q6_K blocks
+    of the same values."""
+    lead, row = raw.shape[:-1], raw.shape[-1]
+    b = np.ascontiguousarray(raw).reshape(-1, 110)  # hmask[32], qs[64], scales[12], d
+    n = b.shape[0]
+    # the 16 6-bit scales: low 4 bits from bytes 0-7 (nibbles), top 2 bits from bytes 8-11
+    sc = b[:, 96:108]
+    low = np.concatenate([sc[:, 0:8] & 0x0F, sc[:, 0:8] >> 4], axis=1)  # scales 0-7, 8-15
+    high = np.concatenate([(sc[:, 8:12] >> (2 * k)) & 3 for k in range(4)], axis=1)  # 0-3, 4-7, ...
+    scales = (low | (high << 4)).astype(np.int16) - 32
+    # weight y = 128 h + 32 j + i (h half, j 0-3, i 0-31): qs[32 h + i] bits 2j..2j+1, minus 4
+    # unless hmask[i] has bit 4 h + j
+    i = np.arange(32)
+    q = np.empty((n, 256), np.int16)
+    for h in range(2):
+        for j in range(4):
+            lo2 = (b[:, 32 + 32 * h + i] >> (2 * j)) & 3
+            hi = (b[:, i] >> (4 * h + j)) & 1
+            q[:, 128 * h + 32 * j + i] = lo2.astype(np.int16) - 4 * (1 - hi.astype(np.int16))
+    L = (q + 32).astype(np.uint8)  # Q6_K's stored 6-bit values
+    out = np.empty((n, 210), np.uint8)
+    for h in range(2):  # Q6_K: per 128 weights 64 bytes of low nibbles, 32 of top bits
+        Lh = L[:, 128 * h:128 * h + 128]
+        out[:, 64 * h + i] = (Lh[:, i] & 0x0F) | ((Lh[:, 64 + i] & 0x0F) << 4)
+        out[:, 64 * h + 32 + i] = (Lh[:, 32 + i] & 0x0F) | ((Lh[:, 96 + i] & 0x0F) << 4)
+        out[:, 128 + 32 * h + i] = ((Lh[:, i] >> 4) | ((Lh[:, 32 + i] >> 4) << 2)
+                                     | ((Lh[:, 64 + i] >> 4) << 4) | ((Lh[:, 96 + i] >> 4) << 6))
+    out[:, 192:208] = scales.astype(np.int8).view(np.uint8)
+    out[:, 208:210] = b[:, 108:110]  # the f16 d
+    return out.reshape(*lead, row // 110 * 210)
