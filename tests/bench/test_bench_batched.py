@@ -49,7 +49,7 @@ def _row(pp: int, b: int, s_pp: float, s_tg: float) -> dict[str, float]:
             "T_TG": 1.0, "S_TG": s_tg, "T": 2.0, "S": 1.0}
 
 
-def test_a_points_runs_become_one_row_of_medians() -> None:
+def test_the_runs_of_a_point_become_one_row_of_medians() -> None:
     runs = [_row(8, 2, s, t) for s, t in ((300.0, 10.0), (100.0, 30.0), (200.0, 20.0))]
     runs[1]["T_PP"] = 5.0
     row = median_row(runs)
@@ -108,6 +108,6 @@ def test_bench_batched_alternates_with_the_peer_and_reports_medians(tmp_path, ca
     assert "medians of 3 runs a point, the engines alternating" in text
 
 
-def test_bench_batched_rejects_no_runs(capsys) -> None:
+def test_bench_batched_rejects_no_runs() -> None:
     with pytest.raises(SystemExit, match="--repeat must be >= 1"):
         main(["bench", "batched", "--repeat", "0", "--no-progress"])
