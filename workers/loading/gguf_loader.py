@@ -26,14 +26,7 @@ from kvserve.workers.loading.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
 )
-from kvserve.workers.loading.quant_format import (
-    AS_Q6_K,
-    AS_Q8_0,
-    QTYPES,
-    QuantizedWeight,
-    as_q6_k,
-    as_q8_0,
-)
+from kvserve.workers.loading.quant_format import QTYPES, REWRITTEN, QuantizedWeight, as_kernel_type
 from kvserve.workers.loading.sharding import Shard, ShardLayout, Split, index
 
 # GGUF general.architecture -> ModelConfig.architecture. llama.cpp writes most Mistral
@@ -167,10 +160,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, shard: Shard | None
         qtype = tensor.tensor_type.name
         if raw is None:
             continue
-        if qtype in AS_Q8_0:
-            raw, qtype = as_q8_0(raw, qtype), "Q8_0"
-        elif qtype in AS_Q6_K:
-            raw, qtype = as_q6_k(raw), "Q6_K"
+        raw, qtype = as_kernel_type(raw, qtype)
         if array.ndim == 3:  # MoE experts
             quantized.update(expert_rows(hf_name, torch.from_numpy(raw), qtype, array.shape))
         elif array.ndim == 2:
@@ -205,7 +195,7 @@ def _read_tensor(tensor: Any, path: str, split: Split | None,
     shape = _torch_shape(tensor)
     data = tensor.data
     qtype = tensor.tensor_type
-    keep_raw = keep_raw and (qtype.name in QTYPES or qtype.name in AS_Q8_0 or qtype.name in AS_Q6_K)
+    keep_raw = keep_raw and (qtype.name in QTYPES or qtype.name in REWRITTEN)
     if split is None:
         raw = np.array(data, dtype=np.uint8) if keep_raw else None  # a copy: [rows, row bytes]
         return _dequantize(tensor, path), raw

@@ -30,6 +30,7 @@ AS_Q8_0 = ("Q5_0", "IQ4_NL")
 # Q3_K_S file) as Q6_K so the int8 kernels run it: 210 bytes a block instead of 110, where
 # the float fallback read 1024.
 AS_Q6_K = ("Q3_K",)
+REWRITTEN = (*AS_Q8_0, *AS_Q6_K)
 _IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                           dtype=np.int8)
 
@@ -61,6 +62,16 @@ def concat_rows(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
         return None
     data = qs[0].data if len(qs) == 1 else torch.cat([p.data for p in qs])
     return QuantizedWeight(qs[0].qtype, data.contiguous(), (sum(p.shape[0] for p in qs), qs[0].shape[1]))
+
+
+def as_kernel_type(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
+    """Raw blocks and their type as the kernels take them: a type of REWRITTEN as the blocks
+    of the same values in Q8_0 or Q6_K, any other as it is."""
+    if qtype in AS_Q8_0:
+        return as_q8_0(raw, qtype), "Q8_0"
+    if qtype in AS_Q6_K:
+        return as_q6_k(raw), "Q6_K"
+    return raw, qtype
 
 
 def as_q8_0(raw: np.ndarray, qtype: str) -> np.ndarray:
