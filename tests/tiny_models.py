@@ -366,6 +366,41 @@ def quantize_blocks(array: np.ndarray, qtype: Any) -> np.ndarray:
     return gguf.quants.quantize(array, qtype)
 
 
+def llama_cpp_mix(ftype: str, n_layer: int, tied: bool = False) -> Any:
+    """A `write_gguf` pick giving each tensor the type llama.cpp's quantizer gives it in a
+    Q3_K_M, Q4_K_M or Q5_K_M file of a dense Llama-like model with `n_layer` layers (its
+    `use_more_bits` layers get more bits in `attn_v` and `ffn_down`), with its fallbacks
+    where a row is no multiple of 256 weights: Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1,
+    Q6_K -> Q8_0. `tied`: the embedding is also the output head, typed as the head."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    base = {"Q3_K_M": T.Q3_K, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K}[ftype]
+    fallback = {T.Q3_K: T.IQ4_NL, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+    def more_bits(i: int) -> bool:
+        return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+
+    def pick(name: str, array: np.ndarray) -> Any:
+        parts = name.split(".")
+        i = int(parts[1]) if parts[0] == "blk" else -1
+        if name.startswith("output") or (tied and name.startswith("token_embd")):
+            t = T.Q6_K
+        elif base == T.Q3_K and "attn_v" in name:
+            t = T.Q5_K if i < 2 else T.Q4_K
+        elif base == T.Q3_K and "attn_output" in name:
+            t = T.Q4_K
+        elif base == T.Q3_K and "ffn_down" in name:
+            t = T.Q5_K if i < n_layer // 16 else T.Q4_K if more_bits(i) else T.Q3_K
+        elif ("attn_v" in name or "ffn_down" in name) and more_bits(i):
+            t = T.Q6_K
+        else:
+            t = base
+        return fallback.get(t, t) if array.shape[1] % 256 else t
+
+    return pick
+
+
 def tiny_model_path(tmp_path_factory) -> str:
     """One tiny random Llama with the SmolLM2 tokenizer, built once per test session."""
     path = tmp_path_factory.getbasetemp() / "tiny_host_model"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_hf_model
+from tiny_models import llama_cpp_mix, make_tiny_hf_model, write_gguf
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
@@ -116,6 +116,64 @@ def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm: LL
                                          do_sample=False, pad_token_id=2)[0, len(ids):].tolist())
     got = identical(refs, [o.token_ids for o in outs])
     assert got["mean_common_prefix"] >= LLAMA_CPP_MEAN_PREFIX, got
+
+
+# llama.cpp 0c1e570 on the same prompts and the files below (the same bytes: the writer is
+# deterministic), 32 greedy tokens against transformers on each file's dequantized weights
+LLAMA_CPP_K_MIX_MEAN_PREFIX = {"Q4_K_M": 18.8, "Q3_K_M": 15.4}
+
+
+@pytest.fixture(scope="module")
+def smol_hf_dir(tmp_path_factory, hf_smol) -> str:
+    """The default model's weights (dequantized by transformers) as a float32 HF folder."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("smol_hf")
+    cfg = hf_smol.config.__class__.from_dict(hf_smol.config.to_dict())
+    if hasattr(cfg, "quantization_config"):  # transformers will not save a GGUF load as it is
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(hf_smol.state_dict())
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q3_K_M"])
+def test_k_quant_mixes_of_smollm2_agree_with_transformers_as_well_as_llama_cpp(
+        tmp_path, smol_path, smol_hf_dir, ftype):
+    """The default model's weights written as llama.cpp writes a Q4_K_M / Q3_K_M file (its
+    576-wide rows take the Q5_0, Q8_0, IQ4_NL and Q5_1 fallbacks, the 1536-wide down rows the
+    K-quants): the whole model runs in the one-call int8 step, and its greedy tokens stay on
+    transformers' path (on that file's dequantized weights) on average no shorter than
+    llama.cpp's do."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.bench.common import identical
+
+    fields = gguf.GGUFReader(smol_path).fields
+    meta = {n: fields[n].contents() for n in fields if n.startswith("tokenizer.")}
+    path = write_gguf(tmp_path / f"{ftype}.gguf", smol_hf_dir, llama_cpp_mix(ftype, 30, tied=True),
+                      metadata=meta)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K"} <= types if ftype == "Q4_K_M" else {"Q3_K", "IQ4_NL", "Q5_K"} <= types
+    llm = LLM(path, kv_cache_tokens=4096, host_cache_gib=0)
+    assert llm.engine.runner.runtime["decode_step"] == "one C call per decode step", llm.engine.runner.runtime
+    tok = llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts.append(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the boiling point of water?"}],
+        add_generation_prompt=True, tokenize=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"{ftype}.gguf", dtype=torch.float32).eval()
+    refs = []
+    for ids in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                    do_sample=False, pad_token_id=2)[0, len(ids):].tolist())
+    got = identical(refs, [o.token_ids for o in outs])
+    assert got["mean_common_prefix"] >= LLAMA_CPP_K_MIX_MEAN_PREFIX[ftype], got
 
 
 @pytest.mark.parametrize("c_kernel", [True, pytest.param(False, marks=pytest.mark.slow)],
