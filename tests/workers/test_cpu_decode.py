@@ -343,8 +343,8 @@ def test_k_quant_mixes_of_small_models_run_in_the_step(lib, tmp_path, main: Q, f
     """A file mixed as llama.cpp's Q4_K_M / Q5_K_M / Q3_K_M mix small models: the K-quant
     where K is a multiple of 256, its fallback (Q5_0, Q5_1 or IQ4_NL) where it is not (down,
     K = 288), another type for o, Q6_K for the embedding and for v in every other layer
-    (beside q and k of the K-quant: the fused q|k|v keeps its parts apart). Q5_0 and IQ4_NL
-    load as Q8_0 blocks of the same values, Q3_K as Q6_K ones, Q5_1 and Q5_K as they are, so
+    (beside q and k of the K-quant: the fused q|k|v keeps its parts apart). IQ4_NL loads as
+    Q8_0 blocks of the same values, Q3_K as Q6_K ones, Q5_0, Q5_1 and Q5_K as they are, so
     the whole model decodes in the one-call step (each linear, each part, with its repacked
     copy): the op-by-op forward's bits, close to the float32 weights."""
     from gguf import GGUFReader
@@ -364,7 +364,7 @@ def test_k_quant_mixes_of_small_models_run_in_the_step(lib, tmp_path, main: Q, f
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     loaded = load_model(path)
     def kept(qt: Q) -> Q:  # the type the loader keeps the blocks in
-        return {Q.Q5_0: Q.Q8_0, Q.IQ4_NL: Q.Q8_0, Q.Q3_K: Q.Q6_K}.get(qt, qt)
+        return {Q.IQ4_NL: Q.Q8_0, Q.Q3_K: Q.Q6_K}.get(qt, qt)
 
     for gguf_name, hf_name, qt in (("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight", fallback),
                                    ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight", other),

@@ -37,7 +37,7 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
     def half(scale: float) -> np.ndarray:
         return (rng.standard_normal(nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
 
-    if qtype in ("Q4_0", "Q8_0"):
+    if qtype in ("Q4_0", "Q5_0", "Q8_0"):
         raw[:, 0:2] = half(0.05)
     elif qtype in ("Q4_1", "Q5_1"):
         raw[:, 0:2], raw[:, 2:4] = half(0.05), half(0.2)
@@ -113,7 +113,7 @@ def test_a_row_does_not_depend_on_its_batch(lib, qtype: str) -> None:
     assert torch.equal(qlinear_int8(wide, qw, lib), qlinear_int8(x, qw, lib))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_row_tails_sharing_a_chunk_give_each_row_its_own_bits(lib, qtype: str) -> None:
     """With nb % 8 = t blocks left per weight row, 8 // t rows' tails go in one chunk (row
     counts that do not divide the threads' shares included): the scalar reference's bits for
@@ -160,7 +160,7 @@ def _other_simd_build(lib):
     return other
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     """Weights repacked 8 rows at a time (the decode step's copy), every type: every row's
     bits equal the scalar reference's on the original layout, with 1-3 threads whose shares
@@ -186,7 +186,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
                     assert torch.equal(_packed(b, qw, x, threads), want), (k, m, threads)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_threads_share_reads_the_repacked_copy(lib, qtype: str) -> None:
     """With the copy zeroed, every row comes out zero whatever the thread count: the rows
     are shared out in whole groups of 8 (40 rows over 3 threads: 0-7, 8-23, 24-39, not

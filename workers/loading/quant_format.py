@@ -13,16 +13,16 @@ import torch
 
 # ggml type name -> (type id, weights per block, bytes per block)
 QTYPES: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
 EXACT_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # Types whose every block is a Q8_0 block exactly (the same f16 scale; each weight an int8
-# multiple of it): the loader rewrites them as Q8_0 so the kernels run them. They turn up
-# beside Q4_K in the Q4_K_M files of models whose widths are no multiple of 256 (llama.cpp
-# falls back to Q5_0 there, and to IQ4_NL for the lower K-quants and i-quants). The rows
-# grow from 22 or 18 bytes a block to 34; their float fallback took 128.
-AS_Q8_0 = ("Q5_0", "IQ4_NL")
+# multiple of it): the loader rewrites them as Q8_0 so the kernels run them. IQ4_NL turns
+# up in the Q3_K_M files of models whose widths are no multiple of 256 (llama.cpp's
+# fallback for the lower K-quants and i-quants there; for Q4_K it is Q5_0, which the kernels
+# read as it is). The rows grow from 18 bytes a block to 34; their float fallback took 128.
+AS_Q8_0 = ("IQ4_NL",)
 # Types whose every block is a Q6_K block exactly. Q3_K's weights are d * (sc - 32) * (q - 4)
 # with a 6-bit scale per 16 and q - 4 in [-4, 3]; Q6_K's are d * sc * (q - 32) with an int8
 # scale per 16 and a 6-bit q: the same d, sc - 32 and q + 28 give the same products (gguf
@@ -77,17 +77,12 @@ def as_kernel_type(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
 def as_q8_0(raw: np.ndarray, qtype: str) -> np.ndarray:
     """Raw blocks of a type in AS_Q8_0 (rows of blocks, any leading dimensions) rewritten as
     the Q8_0 blocks of the same values: gguf dequantizes both to the same float32 bits."""
-    size = {"Q5_0": 22, "IQ4_NL": 18}[qtype]
+    size = {"IQ4_NL": 18}[qtype]
     lead, row = raw.shape[:-1], raw.shape[-1]
     b = np.ascontiguousarray(raw).reshape(-1, size)
     qs = b[:, size - 16:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
     nib = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    if qtype == "Q5_0":  # bit j of qh is weight j's fifth bit; the weights are q - 16
-        qh = b[:, 2:6].copy().view("<u4")
-        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1
-        q = (nib.astype(np.int16) | (bits.astype(np.int16) << 4)) - 16
-    else:  # IQ4_NL: each nibble indexes a fixed table of int8 values
-        q = _IQ4_NL_VALUES[nib]
+    q = _IQ4_NL_VALUES[nib]  # each nibble indexes a fixed table of int8 values
     out = np.empty((b.shape[0], 34), np.uint8)
     out[:, :2] = b[:, :2]  # the f16 scale
     out[:, 2:] = q.astype(np.int8).view(np.uint8)

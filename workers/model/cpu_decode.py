@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # weight types the int8 step also keeps repacked 8 rows at a time (csrc/qgemm.c)
-PACKED_QTYPES = ("Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # the copies are made only when they take at most this share of the memory available then:
 # a model that fits but whose copy would not still loads (slower steps and prompt chunks)
 COPY_MEMORY_SHARE = 0.5

@@ -1,4 +1,4 @@
-"""Linear layers read straight from ggml-quantized rows (Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+"""Linear layers read straight from ggml-quantized rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 Two kernels, chosen by EngineConfig.cpu_matmul:
 

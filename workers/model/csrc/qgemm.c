@@ -3,7 +3,7 @@
 // The activations are quantized once per matmul to 8 bits per 32-element block with a
 // float32 scale (llama.cpp's Q8 scheme with a wider scale), and every weight block is
 // multiplied by them with integer dot products (AVX2 maddubs, AVX512-VNNI / AVX-VNNI
-// dpbusd). Weight types: Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (5-bit weights: at most 4
+// dpbusd). Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (5-bit weights: at most 4
 // maddubs pairs summed in 16 bits).
 //
 // Two layouts of the quantized activations, chosen by the row count:
@@ -65,11 +65,14 @@ static inline __m256i qg_dpbusd_emul(__m256i acc, __m256i u, __m256i s) {
 #endif
 #endif
 
-enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q5_1 = 7, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q5_K = 13, QG_Q6_K = 14 };  // ggml ids
+enum { QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q5_0 = 6, QG_Q5_1 = 7, QG_Q8_0 = 8, QG_Q4_K = 12, QG_Q5_K = 13, QG_Q6_K = 14 };  // ggml ids
 // A scale and a min per 32 weights (Q4_1, Q5_1); Q4_K's header (Q4_K, Q5_K); 5-bit weights.
 static inline int qg_min32(int qtype) { return qtype == QG_Q4_1 || qtype == QG_Q5_1; }
 static inline int qg_k4like(int qtype) { return qtype == QG_Q4_K || qtype == QG_Q5_K; }
-static inline int qg_five(int qtype) { return qtype == QG_Q5_1 || qtype == QG_Q5_K; }
+static inline int qg_five(int qtype) { return qtype == QG_Q5_0 || qtype == QG_Q5_1 || qtype == QG_Q5_K; }
+// Q4_0 and Q5_0: unsigned quants minus a fixed offset (8, 16), taken off through the
+// activation sums: coef = -offset * d.
+static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == QG_Q5_0 ? 16 : 0; }
 // The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
 // QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
@@ -80,6 +83,7 @@ enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED
 static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 weights
     switch (qtype) {
     case QG_Q4_0: return 18;
+    case QG_Q5_0: return 22;
     case QG_Q4_1: return 20;
     case QG_Q5_1: return 24;
     case QG_Q8_0: return 34;
@@ -95,7 +99,7 @@ static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 
 static inline int64_t qg_pk_hdr(int qtype) { return qg_min32(qtype) ? 32 : 16; }
 static inline int qg_pk_words(int qtype) { return qtype == QG_Q8_0 ? 8 : 4; }
 static inline int qg_packable(int qtype) {
-    return qtype == QG_Q4_0 || qg_min32(qtype) || qtype == QG_Q8_0 || qg_k4like(qtype) || qtype == QG_Q6_K;
+    return qg_off32(qtype) || qg_min32(qtype) || qtype == QG_Q8_0 || qg_k4like(qtype) || qtype == QG_Q6_K;
 }
 // Q4_K repacked: per 8 rows and super-block, their d and dmin (f16), then per 32-weight
 // slice their 6-bit scales and mins as bytes and the Q4 vectors: 148 bytes a row per
@@ -268,11 +272,11 @@ static inline __attribute__((always_inline)) void qg_scalars(int qtype, const ui
                                                             qg_wblk *w) {
     w->coef = w->coef16[0] = w->coef16[1] = 0.f;
     w->sc16[0] = w->sc16[1] = 0;
-    if (qtype == QG_Q4_0 || qg_min32(qtype)) {
+    if (qg_off32(qtype) || qg_min32(qtype)) {
         const uint8_t *blk = row + b * qg_block_bytes(qtype);
         const float d = qg_half(qg_rd16(blk));
         w->ws = d;
-        w->coef = qtype == QG_Q4_0 ? -8.f * d : qg_half(qg_rd16(blk + 2));
+        w->coef = qg_off32(qtype) ? (float)-qg_off32(qtype) * d : qg_half(qg_rd16(blk + 2));
     } else if (qtype == QG_Q8_0) {
         w->ws = qg_half(qg_rd16(row + b * 34));
     } else if (qg_k4like(qtype)) {
@@ -316,11 +320,12 @@ static inline __m256i qg_bit_to4(__m256i v, int g) {
 
 static inline __attribute__((always_inline)) __m256i qg_wvec(int qtype, const uint8_t *row, int64_t b,
                                                              __m256i *sgn) {
-    if (qtype == QG_Q5_1) {  // d, m, 32 fifth bits, then Q4's nibbles
-        const uint8_t *blk = row + b * 24;
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 8));
+    if (qtype == QG_Q5_0 || qtype == QG_Q5_1) {  // d, (m,) 32 fifth bits, then Q4's nibbles
+        const int hb = qtype == QG_Q5_0 ? 2 : 4;
+        const uint8_t *blk = row + b * qg_block_bytes(qtype);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + hb + 4));
         const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-        return _mm256_or_si256(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), qg_bits16(blk + 4));
+        return _mm256_or_si256(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), qg_bits16(blk + hb));
     }
     if (qtype == QG_Q5_K) {  // slice j: Q4_K's nibbles, fifth bits at bit j of the 32 qh bytes
         const int j = (int)(b % 8);
@@ -389,13 +394,14 @@ static inline __attribute__((always_inline)) void qg_decode(int qtype, const uin
         const int j = (int)(b % 8);
         const uint8_t *qs = row + (b / 8) * 144 + 16 + (j / 2) * 32;
         for (int i = 0; i < 32; ++i) w->u[i] = (qs[i] >> ((j % 2) * 4)) & 0x0F;
-    } else if (qtype == QG_Q5_1) {
-        const uint8_t *blk = row + b * 24;
+    } else if (qtype == QG_Q5_0 || qtype == QG_Q5_1) {
+        const int hb = qtype == QG_Q5_0 ? 2 : 4;
+        const uint8_t *blk = row + b * qg_block_bytes(qtype), *qs = blk + hb + 4;
         uint32_t qh;
-        memcpy(&qh, blk + 4, 4);
+        memcpy(&qh, blk + hb, 4);
         for (int i = 0; i < 16; ++i) {
-            w->u[i] = (uint8_t)((blk[8 + i] & 0x0F) | (((qh >> i) & 1) << 4));
-            w->u[i + 16] = (uint8_t)((blk[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+            w->u[i] = (uint8_t)((qs[i] & 0x0F) | (((qh >> i) & 1) << 4));
+            w->u[i + 16] = (uint8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
         }
     } else if (qtype == QG_Q5_K) {
         const int j = (int)(b % 8);
@@ -730,11 +736,11 @@ static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, cons
     if (qg_k4like(qtype) || qtype == QG_Q6_K) {  // a whole super-block: its header once
         qg_super(qtype, row + (b0 / 8) * qg_block_bytes(qtype), u, &sv, sc16);
         for (int j = 0; j < 8; ++j) sg[j] = _mm256_setzero_si256();
-    } else {  // Q4_0, Q4_1, Q5_1, Q8_0
+    } else {  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
         const int64_t bs = qg_block_bytes(qtype);
         sv.ws = qg_half8(row + b0 * bs, bs);
         sv.coef = qg_min32(qtype)    ? qg_half8(row + b0 * bs + 2, bs)
-                  : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), sv.ws)
+                  : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), sv.ws)
                                      : _mm256_setzero_ps();
         sv.c0 = sv.c1 = _mm256_setzero_ps();
         for (int j = 0; j < 8; ++j) {
@@ -754,7 +760,7 @@ static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, cons
 }
 
 // The last t (= nb % 8) blocks of r <= 8 / t consecutive weight rows in one chunk: lane
-// k t + i holds block nb - t + i of row n + k (Q4_0, Q4_1, Q5_1, Q8_0; K-quant rows are whole
+// k t + i holds block nb - t + i of row n + k (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K-quant rows are whole
 // super-blocks). Each lane computes what the row's own tail chunk would, and row k's lanes
 // move to lanes 0..t-1 of its partial sums (the others add +0, as past a row's end), so
 // the sums are the same bits; a tail no longer costs a whole chunk per row (K = 576: 2 of
@@ -805,7 +811,7 @@ static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const
     }
     const __m256 ws = qg_cvt8(hd);
     const __m256 coef = qg_min32(qtype)    ? qg_cvt8(hm)
-                        : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
+                        : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), ws)
                                            : _mm256_setzero_ps();
     const __m256i gather = pl->gather;
     const __m256 mask = pl->mask;
@@ -911,7 +917,7 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
         } else {
             ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
             coef = qg_min32(qtype)    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
-                   : qtype == QG_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), ws)
+                   : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), ws)
                                       : _mm256_setzero_ps();
             wq = (const __m256i *)(p + hdr);
         }
@@ -1055,7 +1061,7 @@ static inline __attribute__((always_inline)) void qg_rows_simd_t(const int qtype
                                                                  int64_t n0, int64_t n1, int64_t row_bytes,
                                                                  const qg_act *a, float *out, int64_t ldo) {
     const int t = (int)(a->nb % 8);
-    if (!a->inter && t && (qtype == QG_Q4_0 || qg_min32(qtype) || qtype == QG_Q8_0)) {
+    if (!a->inter && t && (qg_off32(qtype) || qg_min32(qtype) || qtype == QG_Q8_0)) {
         qg_tailplan pl;
         qg_tailplan_init(&pl, t);
         for (int64_t n = n0; n < n1; n += 8 / t) {
@@ -1115,6 +1121,7 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
             switch (qtype) {  // each type's loop compiled on its own
             case QG_Q4_0: qg_groups_packed(QG_Q4_0, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q4_1: qg_groups_packed(QG_Q4_1, wp, g0, g1, row_bytes, a, out, ldo); break;
+            case QG_Q5_0: qg_groups_packed(QG_Q5_0, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q5_1: qg_groups_packed(QG_Q5_1, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q8_0: qg_groups_packed(QG_Q8_0, wp, g0, g1, row_bytes, a, out, ldo); break;
             case QG_Q4_K: qg_groups_packed(QG_Q4_K, wp, g0, g1, row_bytes, a, out, ldo); break;
@@ -1128,6 +1135,7 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
     switch (qtype) {
     case QG_Q4_0: qg_rows_simd_t(QG_Q4_0, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q4_1: qg_rows_simd_t(QG_Q4_1, w, n0, n1, row_bytes, a, out, ldo); return;
+    case QG_Q5_0: qg_rows_simd_t(QG_Q5_0, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q5_1: qg_rows_simd_t(QG_Q5_1, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q8_0: qg_rows_simd_t(QG_Q8_0, w, n0, n1, row_bytes, a, out, ldo); return;
     case QG_Q4_K: qg_rows_simd_t(QG_Q4_K, w, n0, n1, row_bytes, a, out, ldo); return;
@@ -1261,14 +1269,14 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
         return 0;
     }
     const int64_t nb = K / QG_QK, bs = qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
-    if (qtype == QG_Q5_1) {  // Q4_1's layout, then the fifth bits' vector
+    if (qg_five(qtype)) {  // Q4_0's / Q4_1's layout, then the fifth bits' vector
         for (int64_t g = 0; g < N / 8; ++g)
             for (int64_t b = 0; b < nb; ++b) {
                 uint8_t *o = out + g * 8 * row_bytes + b * 8 * bs;
                 for (int r = 0; r < 8; ++r) {
                     const uint8_t *row = w + (g * 8 + r) * row_bytes;
-                    memcpy(o + 2 * r, row + b * bs, 2);            // d
-                    memcpy(o + 16 + 2 * r, row + b * bs + 2, 2);  // m
+                    memcpy(o + 2 * r, row + b * bs, 2);                                  // d
+                    if (qg_min32(qtype)) memcpy(o + 16 + 2 * r, row + b * bs + 2, 2);  // m
                     qg_wblk wb;
                     qg_decode(qtype, row, b, &wb);
                     qg_pack_nibbles(wb.u, o + hdr + 4 * r);
