@@ -97,24 +97,30 @@ def test_smollm2_greedy_matches_transformers_on_every_prompt(smol_llm_exact: LLM
 LLAMA_CPP_MEAN_PREFIX = 12.4
 
 
-@pytest.mark.slow
-def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm: LLM, hf_smol):
-    """The default's 8-bit activations move greedy decoding off transformers' path on some
-    prompts, as llama.cpp's (the same scheme) do: on average no sooner than llama.cpp's do."""
+def _agreement(llm: LLM, hf) -> dict:
+    """32 greedy tokens of PROMPTS and a chat prompt from both: how many agree, and the mean
+    common prefix."""
     from kvserve.bench.common import identical
 
-    tok = smol_llm.tokenizer
+    tok = llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     prompts.append(tok.apply_chat_template(
         [{"role": "user", "content": "What is the boiling point of water?"}],
         add_generation_prompt=True, tokenize=True))
-    outs = smol_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     refs = []
     for ids in prompts:
         with torch.no_grad():
-            refs.append(hf_smol.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                                         do_sample=False, pad_token_id=2)[0, len(ids):].tolist())
-    got = identical(refs, [o.token_ids for o in outs])
+            refs.append(hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                    do_sample=False, pad_token_id=2)[0, len(ids):].tolist())
+    return identical(refs, [o.token_ids for o in outs])
+
+
+@pytest.mark.slow
+def test_smollm2_int8_agrees_with_transformers_as_well_as_llama_cpp(smol_llm: LLM, hf_smol):
+    """The default's 8-bit activations move greedy decoding off transformers' path on some
+    prompts, as llama.cpp's (the same scheme) do: on average no sooner than llama.cpp's do."""
+    got = _agreement(smol_llm, hf_smol)
     assert got["mean_common_prefix"] >= LLAMA_CPP_MEAN_PREFIX, got
 
 
@@ -150,8 +156,6 @@ def test_k_quant_mixes_of_smollm2_agree_with_transformers_as_well_as_llama_cpp(
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from kvserve.bench.common import identical
-
     fields = gguf.GGUFReader(smol_path).fields
     meta = {n: fields[n].contents() for n in fields if n.startswith("tokenizer.")}
     path = write_gguf(tmp_path / f"{ftype}.gguf", smol_hf_dir, llama_cpp_mix(ftype, 30, tied=True),
@@ -160,19 +164,8 @@ def test_k_quant_mixes_of_smollm2_agree_with_transformers_as_well_as_llama_cpp(
     assert {"Q4_K", "Q6_K"} <= types if ftype == "Q4_K_M" else {"Q3_K", "IQ4_NL", "Q5_K"} <= types
     llm = LLM(path, kv_cache_tokens=4096, host_cache_gib=0)
     assert llm.engine.runner.runtime["decode_step"] == "one C call per decode step", llm.engine.runner.runtime
-    tok = llm.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS]
-    prompts.append(tok.apply_chat_template(
-        [{"role": "user", "content": "What is the boiling point of water?"}],
-        add_generation_prompt=True, tokenize=True))
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"{ftype}.gguf", dtype=torch.float32).eval()
-    refs = []
-    for ids in prompts:
-        with torch.no_grad():
-            refs.append(hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                                    do_sample=False, pad_token_id=2)[0, len(ids):].tolist())
-    got = identical(refs, [o.token_ids for o in outs])
+    got = _agreement(llm, hf)
     assert got["mean_common_prefix"] >= LLAMA_CPP_K_MIX_MEAN_PREFIX[ftype], got
 
 
