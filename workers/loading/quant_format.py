@@ -68,25 +68,23 @@ def as_kernel_type(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
     """Raw blocks and their type as the kernels take them: a type of REWRITTEN as the blocks
     of the same values in Q8_0 or Q6_K, any other as it is."""
     if qtype in AS_Q8_0:
-        return as_q8_0(raw, qtype), "Q8_0"
+        return as_q8_0(raw), "Q8_0"
     if qtype in AS_Q6_K:
         return as_q6_k(raw), "Q6_K"
     return raw, qtype
 
 
-def as_q8_0(raw: np.ndarray, qtype: str) -> np.ndarray:
-    """Raw blocks of a type in AS_Q8_0 (rows of blocks, any leading dimensions) rewritten as
-    the Q8_0 blocks of the same values: gguf dequantizes both to the same float32 bits."""
-    size = {"IQ4_NL": 18}[qtype]
+def as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Raw IQ4_NL blocks (rows of blocks, any leading dimensions) rewritten as the Q8_0 blocks
+    of the same values: gguf dequantizes both to the same float32 bits."""
     lead, row = raw.shape[:-1], raw.shape[-1]
-    b = np.ascontiguousarray(raw).reshape(-1, size)
-    qs = b[:, size - 16:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
-    nib = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    q = _IQ4_NL_VALUES[nib]  # each nibble indexes a fixed table of int8 values
+    b = np.ascontiguousarray(raw).reshape(-1, 18)
+    qs = b[:, 2:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
+    q = _IQ4_NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=1)]  # a fixed table of int8 values
     out = np.empty((b.shape[0], 34), np.uint8)
     out[:, :2] = b[:, :2]  # the f16 scale
-    out[:, 2:] = q.astype(np.int8).view(np.uint8)
-    return out.reshape(*lead, row // size * 34)
+    out[:, 2:] = q.view(np.uint8)
+    return out.reshape(*lead, row // 18 * 34)
 
 
 def as_q6_k(raw: np.ndarray) -> np.ndarray:

@@ -80,7 +80,7 @@ static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == Q
 enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16 };
 #define QG_PACKED_INTER_MIN INT64_MAX
 
-static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0/Q4_1/Q8_0) or 256 weights
+static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0 ... Q8_0) or 256 weights (K-quants)
     switch (qtype) {
     case QG_Q4_0: return 18;
     case QG_Q5_0: return 22;
@@ -739,9 +739,9 @@ static inline __attribute__((always_inline)) void qg_small_chunk(int qtype, cons
     } else {  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
         const int64_t bs = qg_block_bytes(qtype);
         sv.ws = qg_half8(row + b0 * bs, bs);
-        sv.coef = qg_min32(qtype)    ? qg_half8(row + b0 * bs + 2, bs)
+        sv.coef = qg_min32(qtype)   ? qg_half8(row + b0 * bs + 2, bs)
                   : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), sv.ws)
-                                     : _mm256_setzero_ps();
+                                    : _mm256_setzero_ps();
         sv.c0 = sv.c1 = _mm256_setzero_ps();
         for (int j = 0; j < 8; ++j) {
             sg[j] = _mm256_setzero_si256();
@@ -810,9 +810,9 @@ static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const
         u[L] = qg_wvec(qtype, row, bt + i, &sg[L]);
     }
     const __m256 ws = qg_cvt8(hd);
-    const __m256 coef = qg_min32(qtype)    ? qg_cvt8(hm)
+    const __m256 coef = qg_min32(qtype)   ? qg_cvt8(hm)
                         : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), ws)
-                                           : _mm256_setzero_ps();
+                                          : _mm256_setzero_ps();
     const __m256i gather = pl->gather;
     const __m256 mask = pl->mask;
     for (int m = 0; m < MR; ++m) {
@@ -916,9 +916,9 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
             wq = (const __m256i *)(sl + 16);
         } else {
             ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            coef = qg_min32(qtype)    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+            coef = qg_min32(qtype)   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
                    : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), ws)
-                                      : _mm256_setzero_ps();
+                                     : _mm256_setzero_ps();
             wq = (const __m256i *)(p + hdr);
         }
         __m256i u[8];
