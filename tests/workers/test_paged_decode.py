@@ -84,8 +84,9 @@ def test_prompt_rows_in_tiles_give_each_rows_own_bits(hq, hkv, d, window, cap) -
     v = torch.randn(nb, bs, hkv, d, generator=g)
     perm = torch.randperm(nb, generator=g).to(torch.int32)
     table_a, table_b = perm[:8], perm[8:16]
-    # stream a: positions 20..38 (19 rows: tiles of 8, 8, 3); a decode row of b; b: 1..12
-    lens_l = [*range(21, 40), 70, *range(1, 13)]
+    # stream a: positions 56..74 (19 rows: tiles of 8, 8, 3), across the 64-key softmax
+    # step of d = 64 (32 keys at d = 128); a decode row of b; b: 1..12
+    lens_l = [*range(57, 76), 70, *range(1, 13)]
     tabs = [table_a] * 19 + [table_b] * 13
     tables = torch.stack(tabs)
     lens = torch.tensor(lens_l, dtype=torch.int32)

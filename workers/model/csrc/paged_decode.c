@@ -7,7 +7,10 @@
 //
 // With AVX2+FMA (and D a multiple of 8) the scores, the softmax exponentials and
 // the V accumulation run 8 lanes wide; the exponential is a polynomial, since a
-// libm expf per score costs more than reading the score's K row from DRAM.
+// libm expf per score costs more than reading the score's K row from DRAM. The
+// online softmax steps over spans of whole blocks (64 keys at D = 64, 32 at 128),
+// so its per-step work (max, correction, rescaling) is paid once per span, and a
+// prompt chunk's rows attend in tiles that copy each span's K/V rows together once.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,15 +23,17 @@
 #define MAX_REP 32
 #define MAX_D 256
 #define MAX_BS 256
+#define KV_COPY 4096  // floats of a span's K (and V) rows a tile copies together
+#define KV_SPAN 64     // keys per online-softmax step at most (where blocks are smaller)
 
 // Per item: the item's query rows pre-scaled, empty accumulators, softmax state.
-static inline void begin_item(const float *q, float (*qs)[MAX_D], float (*acc)[MAX_D], float *m,
+static inline void begin_item(const float *q, float *qs, float *acc, float *m,
                               float *l, int64_t b, int64_t ldq, int64_t qh0, int64_t D,
                               int64_t rep, float scale) {
     for (int64_t r = 0; r < rep; ++r) {
         const float *qr = q + b * ldq + (qh0 + r) * D;
-        for (int64_t d = 0; d < D; ++d) qs[r][d] = qr[d] * scale;
-        memset(acc[r], 0, sizeof(float) * D);
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * scale;
+        memset(acc + r * D, 0, sizeof(float) * D);
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
@@ -47,12 +52,12 @@ static inline void fix_scores(float (*s)[MAX_BS + 8], int64_t rep, int64_t n, in
 }
 
 // Per item: normalise the accumulators into the output rows.
-static inline void end_item(float *out, float (*acc)[MAX_D], const float *l, int64_t b,
+static inline void end_item(float *out, const float *acc, const float *l, int64_t b,
                             int64_t ldo, int64_t qh0, int64_t D, int64_t rep) {
     for (int64_t r = 0; r < rep; ++r) {
         float *o = out + b * ldo + (qh0 + r) * D;
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r][d] * inv;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
     }
 }
 
@@ -98,25 +103,73 @@ static inline __attribute__((always_inline)) float row_score(const float *qr, co
     return kv_hsum(_mm256_add_ps(a0, a1));
 }
 
-// One row's online-softmax step over a block's n scores (sr, turned into weights), then
-// its V accumulation over keys j0 .. n-1 (V row j at vb + j * vstride). Per query row and
-// 64-wide slice of D the accumulator stays in registers across the block's tokens (the V
-// rows are re-read from L1, not DRAM).
-static inline __attribute__((always_inline)) void row_block(float *sr, float *accr, float *mr,
-                                                            float *lr, int64_t n, int64_t j0,
-                                                            const float *vb, int64_t vstride,
-                                                            const int64_t C) {
-    float mx = *mr;
-    for (int64_t j = 0; j < n; ++j) mx = sr[j] > mx ? sr[j] : mx;
-    const float corr = expf(*mr - mx);  // once per block: libm is fine here
-    if (corr != 1.f) {
-        const __m256 cv = _mm256_set1_ps(corr);
-        for (int64_t c = 0; c < C; ++c) _mm256_store_ps(accr + 8 * c, _mm256_mul_ps(_mm256_load_ps(accr + 8 * c), cv));
+// Eight scores: a pre-scaled query row against the K rows k0 + i * ks, i = 0..7, each with
+// row_score's bits (the same two accumulators, then kv_hsum's order of sums), the eight
+// sums reduced together by a transposed tree instead of eight horizontal sums.
+static inline __attribute__((always_inline)) __m256 row_score8(const float *qr, const float *k0,
+                                                               int64_t ks, const int64_t C) {
+    __m256 t[8];
+    for (int i = 0; i < 8; ++i) {
+        const float *kj = k0 + i * ks;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 1 < C; c += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+            a1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
+        }
+        if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
+        t[i] = _mm256_add_ps(a0, a1);
     }
+    // kv_hsum's first sum, lane i + lane i + 4: [row 2p's four | row 2p + 1's four]
+    __m256 x[4];
+    for (int p = 0; p < 4; ++p)
+        x[p] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * p], t[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(t[2 * p], t[2 * p + 1], 0x31));
+    // its second, lanes 0 + 2 and 1 + 3: [r0 r0 r2 r2 | r1 r1 r3 r3], [r4 r4 r6 r6 | r5 r5 r7 r7]
+    __m256 y[2];
+    for (int p = 0; p < 2; ++p)
+        y[p] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // its last, lane 0 + lane 1: [r0 r2 r4 r6 | r1 r3 r5 r7], then in order
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// A row's scores for keys j0 .. n-1 of a block (K row j at kb + j * ks) into sr.
+static inline __attribute__((always_inline)) void row_scores(float *sr, const float *qr, const float *kb,
+                                                             int64_t ks, int64_t j0, int64_t n,
+                                                             const int64_t C) {
+    int64_t j = j0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(sr + j, row_score8(qr, kb + j * ks, ks, C));
+    for (; j < n; ++j) sr[j] = row_score(qr, kb + j * ks, C);
+}
+
+// Keys per online-softmax step (a span): whole blocks, up to KV_SPAN keys and KV_COPY floats
+// of K rows (64 keys of 64, 32 of 128), one block where a block is larger. A step's per-row
+// work (the max, the correction, rescaling the sums) is paid once per span, not per block;
+// every path takes the same spans from key 0, so a row's bits do not depend on its path.
+static inline int64_t span_keys(int64_t bs, int64_t D) {
+    const int64_t keys = KV_COPY / D < KV_SPAN ? KV_COPY / D : KV_SPAN;
+    return (keys / bs > 1 ? keys / bs : 1) * bs;
+}
+
+// One row's online-softmax step over a span's n scores: sr turned into weights, the running
+// max and sum updated. Returns what the row's sums so far are to be scaled by: exactly 1
+// where the max holds, 0 at the first span.
+static inline __attribute__((always_inline)) float row_softmax(float *sr, float *mr, float *lr, int64_t n) {
+    // the span's max (exact in any order), 8 lanes at a time
+    __m256 mx8 = _mm256_set1_ps(*mr);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(sr + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx8), _mm256_extractf128_ps(mx8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; j < n; ++j) mx = sr[j] > mx ? sr[j] : mx;
+    const float corr = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(*mr - mx)));
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 lsum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
+    for (j = 0; j + 8 <= n; j += 8) {
         const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(sr + j), mv));
         _mm256_store_ps(sr + j, e);
         lsum = _mm256_add_ps(lsum, e);
@@ -128,17 +181,60 @@ static inline __attribute__((always_inline)) void row_block(float *sr, float *ac
     }
     *lr = *lr * corr + lt;
     *mr = mx;
+    return corr;
+}
+
+// One row's V accumulation over keys j .. je-1 of a span, V row jj at run + (jj - jb) *
+// vstride, its sums scaled by corr first (1: not). Per 64-wide slice of D the accumulator
+// stays in registers across the keys.
+static inline __attribute__((always_inline)) void row_v(const float *sr, float *accr, float corr, int64_t j,
+                                                        int64_t je, const float *run, int64_t jb,
+                                                        int64_t vstride, const int64_t C) {
+    const __m256 cv = _mm256_set1_ps(corr);
     for (int64_t cg = 0; cg < C; cg += 8) {
         const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;
         __m256 a[8];
         for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_load_ps(accr + 8 * (cg + c));
-        for (int64_t jj = j0; jj < n; ++jj) {
-            const float *vj = vb + jj * vstride + 8 * cg;
+        if (corr != 1.f)
+            for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_mul_ps(a[c], cv);
+        for (int64_t jj = j; jj < je; ++jj) {
+            const float *vj = run + (jj - jb) * vstride + 8 * cg;
             const __m256 p = _mm256_set1_ps(sr[jj]);
             for (int64_t c = 0; c < cn; ++c) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), a[c]);
         }
         for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(accr + 8 * (cg + c), a[c]);
     }
+}
+
+// R query rows (pre-scaled at qs, sums at acc, rows D apart) against one span at key t0:
+// row r sees its keys j0 .. nr[r]-1, whose K and V rows lie in runs of `run` rows (run i
+// at kb[i] and vb[i], rows `stride` floats apart). Scores, then each row's softmax step,
+// then the V sums; the runs are the outer loop, so a run's rows stay in L1 across the R
+// rows, and each row adds its keys in order: its bits are those it has alone.
+static inline __attribute__((always_inline)) void span_rows(float (*s)[MAX_BS + 8], const float *qs, float *acc,
+                                                            float *m, float *l, int64_t R, const int64_t *nr,
+                                                            int64_t j0, const float *const *kb,
+                                                            const float *const *vb, int64_t run, int64_t stride,
+                                                            const int64_t D, int64_t t0, int64_t first, float cap) {
+    const int64_t C = D / 8, jr = j0 / run * run;
+    int64_t n = 0;
+    float corr[MAX_REP];
+    for (int64_t r = 0; r < R; ++r) n = nr[r] > n ? nr[r] : n;
+    for (int64_t jb = jr; jb < n; jb += run)
+        for (int64_t r = 0; r < R; ++r)
+            if (jb < nr[r])
+                row_scores(s[r] + jb, qs + r * D, kb[jb / run], stride, j0 > jb ? j0 - jb : 0,
+                           (nr[r] - jb) < run ? nr[r] - jb : run, C);
+    for (int64_t r = 0; r < R; ++r) {
+        if (nr[r] <= 0) continue;
+        fix_scores(s + r, 1, nr[r], t0, first, cap);
+        corr[r] = row_softmax(s[r], m + r, l + r, nr[r]);
+    }
+    for (int64_t jb = jr; jb < n; jb += run)
+        for (int64_t r = 0; r < R; ++r)
+            if (jb < nr[r])
+                row_v(s[r], acc + r * D, jb == jr ? corr[r] : 1.f, j0 > jb ? j0 : jb,
+                      (nr[r] - jb) < run ? nr[r] : jb + run, vb[jb / run], jb, stride, C);
 }
 
 // The next block is usually elsewhere in the pool: start its DRAM reads now.
@@ -151,6 +247,21 @@ static inline void prefetch_block(const float *k, const float *v, int64_t nb, in
         }
 }
 
+// Where the span's blocks of head h start (kb, vb: one per block), prefetching each next
+// block; blocks wholly before key j0 (a window's) are neither looked up nor read.
+static inline void span_blocks(const float *k, const float *v, const int32_t *table, int64_t t0,
+                               int64_t n, int64_t j0, int64_t L, int64_t h, int64_t Hkv,
+                               const int64_t D, int64_t bs, const float **kb, const float **vb) {
+    for (int64_t jb = j0 / bs * bs; jb < n; jb += bs) {
+        const int64_t t = t0 + jb, base = ((int64_t)table[t / bs] * bs) * Hkv + h;
+        kb[jb / bs] = k + base * D;
+        vb[jb / bs] = v + base * D;
+        if (t + bs < L)
+            prefetch_block(k, v, ((int64_t)table[t / bs + 1] * bs) * Hkv + h, (L - t - bs) < bs ? (L - t - bs) : bs,
+                           Hkv, D);
+    }
+}
+
 // One item: stream b, kv head h, the `rep` query heads from qh0 on (all that share h,
 // or fewer when the work is split finer); q and out rows of stream b start at b * ldq
 // and b * ldo. D is a compile-time constant where inlined from the dispatch below, so
@@ -159,76 +270,86 @@ static inline __attribute__((always_inline)) void item_avx2(
     const float *q, const float *k, const float *v, float *out, const int32_t *table,
     int32_t L, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t qh0, int64_t Hkv,
     const int64_t D, int64_t bs, int64_t rep, float scale, int64_t first, float cap) {
-    float qs[MAX_REP][MAX_D] __attribute__((aligned(32)));
-    float acc[MAX_REP][MAX_D] __attribute__((aligned(32)));
+    // rows D apart, not MAX_D: at MAX_D (1 KiB) the rows 4 apart share L1 sets
+    float qs[MAX_REP * MAX_D] __attribute__((aligned(32)));
+    float acc[MAX_REP * MAX_D] __attribute__((aligned(32)));
     float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
     float m[MAX_REP], l[MAX_REP];
-    const int64_t C = D / 8;
+    const float *kb[KV_SPAN], *vb[KV_SPAN];
+    int64_t nr[MAX_REP];
+    const int64_t span = span_keys(bs, D);
     begin_item(q, qs, acc, m, l, b, ldq, qh0, D, rep, scale);
-    for (int64_t t0 = first / bs * bs; t0 < L; t0 += bs) {
-        const int64_t n = (L - t0) < bs ? (L - t0) : bs;
-        const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
-        if (t0 + bs < L)
-            prefetch_block(k, v, ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h,
-                           (L - t0 - bs) < bs ? (L - t0 - bs) : bs, Hkv, D);
+    for (int64_t t0 = first / span * span; t0 < L; t0 += span) {
+        const int64_t n = (L - t0) < span ? (L - t0) : span;
         const int64_t j0 = t0 < first ? first - t0 : 0;  // keys before the window: unread
-        for (int64_t j = j0; j < n; ++j) {
-            const float *kj = k + (base + j * Hkv) * D;
-            for (int64_t r = 0; r < rep; ++r) s[r][j] = row_score(qs[r], kj, C);
-        }
-        fix_scores(s, rep, n, t0, first, cap);
-        for (int64_t r = 0; r < rep; ++r) row_block(s[r], acc[r], m + r, l + r, n, j0, v + base * D, Hkv * D, C);
+        span_blocks(k, v, table, t0, n, j0, L, h, Hkv, D, bs, kb, vb);
+        for (int64_t r = 0; r < rep; ++r) nr[r] = n;
+        span_rows(s, qs, acc, m, l, rep, nr, j0, kb, vb, bs, Hkv * D, D, t0, first, cap);
     }
     end_item(out, acc, l, b, ldo, qh0, D, rep);
+}
+
+// A span's K or V rows of one head (runs of bs rows, `stride` floats apart) copied into n
+// consecutive rows of dst.
+static inline __attribute__((always_inline)) void copy_rows(float *dst, const float *const *src, int64_t bs,
+                                                            int64_t n, int64_t stride, const int64_t D) {
+    for (int64_t j = 0; j < n; ++j) {
+        const float *row = src[j / bs] + (j % bs) * stride;
+        for (int64_t c = 0; c < D; c += 8) _mm256_store_ps(dst + j * D + c, _mm256_loadu_ps(row + c));
+    }
 }
 
 // A tile: P consecutive prompt (or verify) rows of one stream, rows b .. b+P-1 at lengths
 // L0 .. L0+P-1 over one block table, kv head h, its rep query heads: R = P * rep rows
 // that read each K/V row once for all of them. Every row's arithmetic is item_avx2's for
-// that row alone (the same blocks, row_score and row_block over its own n), so a row's
-// bits do not depend on the tile it is in. No window (callers check).
+// that row alone (the same spans, span_rows over its own keys), so a row's bits do not
+// depend on the tile it is in. No window (callers check).
 static inline __attribute__((always_inline)) void tile_avx2(
     const float *q, const float *k, const float *v, float *out, const int32_t *table,
     int32_t L0, int64_t P, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t Hkv,
     const int64_t D, int64_t bs, int64_t rep, float scale, float cap) {
-    float qs[MAX_REP][MAX_D] __attribute__((aligned(32)));
-    float acc[MAX_REP][MAX_D] __attribute__((aligned(32)));
+    // rows D apart, not MAX_D: at MAX_D (1 KiB) the rows 4 apart share L1 sets
+    float qs[MAX_REP * MAX_D] __attribute__((aligned(32)));
+    float acc[MAX_REP * MAX_D] __attribute__((aligned(32)));
     float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
+    float kc[KV_COPY] __attribute__((aligned(32))), vc[KV_COPY] __attribute__((aligned(32)));
     float m[MAX_REP], l[MAX_REP];
-    const int64_t C = D / 8, R = P * rep, Lmax = L0 + P - 1;
+    const float *kb[KV_SPAN], *vb[KV_SPAN], *kcp[1] = {kc}, *vcp[1] = {vc};
+    int64_t nr[MAX_REP];
+    const int64_t R = P * rep, Lmax = L0 + P - 1, span = span_keys(bs, D);
     for (int64_t p = 0; p < P; ++p)
-        begin_item(q, qs + p * rep, acc + p * rep, m + p * rep, l + p * rep, b + p, ldq, h * rep, D, rep, scale);
-    for (int64_t t0 = 0; t0 < Lmax; t0 += bs) {
-        const int64_t nmax = (Lmax - t0) < bs ? (Lmax - t0) : bs;
-        const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
-        if (t0 + bs < Lmax)
-            prefetch_block(k, v, ((int64_t)table[t0 / bs + 1] * bs) * Hkv + h,
-                           (Lmax - t0 - bs) < bs ? (Lmax - t0 - bs) : bs, Hkv, D);
-        for (int64_t j = 0; j < nmax; ++j) {
-            const float *kj = k + (base + j * Hkv) * D;
-            // the rows of positions before p0 end before key t0 + j
-            const int64_t p0 = t0 + j - L0 + 1 > 0 ? t0 + j - L0 + 1 : 0;
-            for (int64_t r = p0 * rep; r < R; ++r) s[r][j] = row_score(qs[r], kj, C);
-        }
+        begin_item(q, qs + p * rep * D, acc + p * rep * D, m + p * rep, l + p * rep, b + p, ldq, h * rep, D, rep,
+                   scale);
+    for (int64_t t0 = 0; t0 < Lmax; t0 += span) {
+        const int64_t nmax = (Lmax - t0) < span ? (Lmax - t0) : span;
+        span_blocks(k, v, table, t0, nmax, 0, Lmax, h, Hkv, D, bs, kb, vb);
         for (int64_t r = 0; r < R; ++r) {
-            const int64_t Lr = L0 + r / rep;
-            if (t0 >= Lr) continue;
-            const int64_t n = (Lr - t0) < bs ? (Lr - t0) : bs;
-            fix_scores(s + r, 1, n, t0, 0, cap);
-            row_block(s[r], acc[r], m + r, l + r, n, 0, v + base * D, Hkv * D, C);
+            const int64_t n = L0 + r / rep - t0;
+            nr[r] = n < span ? n : span;
+        }
+        // The span's rows of head h lie Hkv * D floats apart: 1 KiB for 4 heads of 64, so
+        // rows 4 apart share L1 sets and, with the tile's own rows, overflow them. Copied
+        // together once per tile, the R rows read them from L1 (the same arithmetic and bits).
+        if (Hkv > 1 && nmax * D <= KV_COPY) {
+            copy_rows(kc, kb, bs, nmax, Hkv * D, D);
+            copy_rows(vc, vb, bs, nmax, Hkv * D, D);
+            span_rows(s, qs, acc, m, l, R, nr, 0, kcp, vcp, span, D, D, t0, 0, cap);
+        } else {
+            span_rows(s, qs, acc, m, l, R, nr, 0, kb, vb, bs, Hkv * D, D, t0, 0, cap);
         }
     }
-    for (int64_t p = 0; p < P; ++p) end_item(out, acc + p * rep, l + p * rep, b + p, ldo, h * rep, D, rep);
+    for (int64_t p = 0; p < P; ++p) end_item(out, acc + p * rep * D, l + p * rep, b + p, ldo, h * rep, D, rep);
 }
 #endif
 
-// The portable path (any D, no AVX2): same algorithm, libm exponentials.
+// The portable path (any D, no AVX2): the same attention with a softmax step per block and
+// libm exponentials (its rows' bits are its own; a process takes one path for every row).
 static void item_generic(const float *q, const float *k, const float *v, float *out,
                          const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t ldq,
                          int64_t ldo, int64_t qh0, int64_t Hkv, int64_t D, int64_t bs,
                          int64_t rep, float scale, int64_t first, float cap) {
-    float qs[MAX_REP][MAX_D];
-    float acc[MAX_REP][MAX_D];
+    float qs[MAX_REP * MAX_D];
+    float acc[MAX_REP * MAX_D];
     float m[MAX_REP], l[MAX_REP];
     float s[MAX_REP][MAX_BS + 8];
     begin_item(q, qs, acc, m, l, b, ldq, qh0, D, rep, scale);
@@ -240,7 +361,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             const float *kj = k + (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 float dot = 0.f;
-                for (int64_t d = 0; d < D; ++d) dot += qs[r][d] * kj[d];
+                for (int64_t d = 0; d < D; ++d) dot += qs[r * D + d] * kj[d];
                 s[r][j] = dot;
             }
         }
@@ -251,7 +372,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             for (int64_t j = 0; j < n; ++j) mx = s[r][j] > mx ? s[r][j] : mx;
             const float corr = expf(m[r] - mx);
             l[r] *= corr;
-            for (int64_t d = 0; d < D; ++d) acc[r][d] *= corr;
+            for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= corr;
             for (int64_t j = 0; j < n; ++j) {
                 s[r][j] = expf(s[r][j] - mx);
                 l[r] += s[r][j];
@@ -262,7 +383,7 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             const float *vj = v + (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 const float p = s[r][j];
-                for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vj[d];
+                for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p * vj[d];
             }
         }
     }
