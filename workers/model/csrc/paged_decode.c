@@ -90,9 +90,8 @@ static inline float kv_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// One score: a pre-scaled query row against a K row (C chunks of 8).
-static inline __attribute__((always_inline)) float row_score(const float *qr, const float *kj,
-                                                             const int64_t C) {
+// A pre-scaled query row against a K row (C chunks of 8): two accumulators' lanes, summed.
+static inline __attribute__((always_inline)) __m256 kv_row_dot(const float *qr, const float *kj, const int64_t C) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t c = 0;
     for (; c + 1 < C; c += 2) {
@@ -100,26 +99,22 @@ static inline __attribute__((always_inline)) float row_score(const float *qr, co
         a1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
     }
     if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-    return kv_hsum(_mm256_add_ps(a0, a1));
+    return _mm256_add_ps(a0, a1);
+}
+
+// One score.
+static inline __attribute__((always_inline)) float row_score(const float *qr, const float *kj,
+                                                             const int64_t C) {
+    return kv_hsum(kv_row_dot(qr, kj, C));
 }
 
 // Eight scores: a pre-scaled query row against the K rows k0 + i * ks, i = 0..7, each with
-// row_score's bits (the same two accumulators, then kv_hsum's order of sums), the eight
-// sums reduced together by a transposed tree instead of eight horizontal sums.
+// row_score's bits (kv_row_dot, then kv_hsum's order of sums), the eight sums reduced
+// together by a transposed tree instead of eight horizontal sums.
 static inline __attribute__((always_inline)) __m256 row_score8(const float *qr, const float *k0,
                                                                int64_t ks, const int64_t C) {
     __m256 t[8];
-    for (int i = 0; i < 8; ++i) {
-        const float *kj = k0 + i * ks;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int64_t c = 0;
-        for (; c + 1 < C; c += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-            a1 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c + 8), _mm256_loadu_ps(kj + 8 * c + 8), a1);
-        }
-        if (c < C) a0 = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * c), _mm256_loadu_ps(kj + 8 * c), a0);
-        t[i] = _mm256_add_ps(a0, a1);
-    }
+    for (int i = 0; i < 8; ++i) t[i] = kv_row_dot(qr, k0 + i * ks, C);
     // kv_hsum's first sum, lane i + lane i + 4: [row 2p's four | row 2p + 1's four]
     __m256 x[4];
     for (int p = 0; p < 4; ++p)
