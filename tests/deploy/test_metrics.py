@@ -295,9 +295,12 @@ def run(serve_app) -> Run:
 
     def done(s: Series) -> bool:
         r.after = s
+        # and both workers seen alive again: on a loaded host a poll past the router's 5 s
+        # timeout counts a worker lost until the next poll answers
         return (r.total(f"{P}requests_finished_total") == r.expect["received"]
                 and not any(r.now(f"{P}requests_running"))
-                and not any(r.now(f"{P}kv_device_blocks_used")))
+                and not any(r.now(f"{P}kv_device_blocks_used"))
+                and r.now(f"{P}router_workers_alive", policy="affinity") == [2.0])
 
     r.after = settled(port, until=done, timeout=300)  # a dropped cancel runs to its end
     r.scraped = scrape(port)
