@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) __m256 row_score8(const float *qr, 
     return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// A row's scores for keys j0 .. n-1 of a block (K row j at kb + j * ks) into sr.
+// A row's scores for keys j0 .. n-1 of a run of K rows (row j at kb + j * ks) into sr.
 static inline __attribute__((always_inline)) void row_scores(float *sr, const float *qr, const float *kb,
                                                              int64_t ks, int64_t j0, int64_t n,
                                                              const int64_t C) {
