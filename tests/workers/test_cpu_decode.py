@@ -336,6 +336,48 @@ def test_k_quant_model_runs_in_the_step(lib, tmp_path, monkeypatch) -> None:
         assert torch.equal(seen[0], seen[1])
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_model_holds_the_blocks_not_float_weights(lib, tmp_path, tied: bool) -> None:
+    """A quantized GGUF's linears get no float32 weight in an int8 model (the kernel reads
+    the blocks; a 7-8B Q4_K_M file's float32 expansion would not fit in memory beside them),
+    and their logits are the bits of a model built from every float weight made up front.
+    The loader defers those weights (made, equal to transformers', when read); the embedding
+    is looked up by rows and made at once; an `exact` model makes the linears' weights for
+    the batches it leaves to MKL."""
+    from kvserve.workers.loading.loader import LoadedModel, ModelWeights
+
+    hf = make_tiny_hf_model(tmp_path / "m", "llama", seed=4, with_tokenizer=False, hidden_size=256,
+                            intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                            tie_word_embeddings=tied)
+    loaded = load_model(write_gguf(tmp_path / "m.gguf", hf, Q.Q4_K))
+    w = loaded.weights
+    assert isinstance(w, ModelWeights)
+    q = "model.layers.0.self_attn.q_proj.weight"  # rows permuted back from llama.cpp's order
+    assert w.held(q).is_meta and w.held(q).shape == loaded.quantized[q].shape
+    assert not w[q].is_meta and torch.equal(w[q], w[q])
+    assert not w.held("model.embed_tokens.weight").is_meta
+    assert ("lm_head.weight" in w) is not tied
+
+    def linears(runner: ModelRunner) -> list:
+        m = runner.model
+        return [m.lm_head, *(lin for ly in m.layers
+                             for lin in (ly.attn.qkv, ly.attn.o, ly.mlp.gate_up, ly.mlp.down))]
+
+    lazy = _runner(loaded, True, cpu_matmul="int8")
+    assert all(lin.weight.is_meta and lin.int8 for lin in linears(lazy))
+    eager = LoadedModel(config=loaded.config, weights=dict(w), path=loaded.path, quantized=loaded.quantized)
+    assert not any(t.is_meta for t in eager.weights.values())
+    made = _runner(eager, True, cpu_matmul="int8")
+    prompts = _prompts(3, torch.Generator().manual_seed(4))
+    for runner in (lazy, made):
+        runner.model.cpu_step = None  # op by op: every linear through Linear.__call__
+    for g, e in zip(_decode(lazy, prompts, 2), _decode(made, prompts, 2), strict=True):
+        assert torch.equal(g, e)
+    exact = _runner(loaded, False, cpu_matmul="exact")
+    for lin, ref in zip(linears(exact), linears(made), strict=True):
+        assert not lin.weight.is_meta and lin.weight.shape == ref.weight.shape
+
+
 @pytest.mark.parametrize(("main", "fallback", "other"), [(Q.Q4_K, Q.Q5_0, Q.IQ4_NL), (Q.Q5_K, Q.Q5_1, Q.Q5_1),
                                                        (Q.Q3_K, Q.IQ4_NL, Q.Q4_K)],
                          ids=["Q4_K_M", "Q5_K_M", "Q3_K_M"])

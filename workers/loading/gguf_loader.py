@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import gguf
@@ -16,6 +18,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.workers.loading.gguf_moe import expert_rows, moe_architecture, moe_fields
 from kvserve.workers.loading.loader import (
     LoadedModel,
+    ModelWeights,
     check_weight_shapes,
     expected_weight_shapes,
     warn_unused,
@@ -42,6 +45,8 @@ _GEMMA = {"gemma2", "gemma3"}
 _GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 LongRoPE
 _ROPE_FREQS = "rope_freqs.weight"
+# looked up by rows, so always made in float
+_EMBEDDING = "model.embed_tokens.weight"
 _INTEGER_TYPES = {
     GGMLQuantizationType.I8,
     GGMLQuantizationType.I16,
@@ -141,33 +146,46 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, shard: Shard | None
     permute = arch in _PERMUTED_QK
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
+    lazy: dict[str, Callable[[], torch.Tensor]] = {}
     # Tensor by tensor from the memory map: at most one float32 intermediate is alive
     # beside the converted result.
     for hf_name in expected:
         tensor = tensors[hf_to_gguf[hf_name]]
         split = layout.split(hf_name) if layout is not None else None
-        # only float32 runs (the CPU) use the raw-block kernel: keep the blocks for them
-        array, raw = _read_tensor(tensor, path, split, keep_raw=dtype == torch.float32)
         n_heads = 0
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             n_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             if layout is not None:  # whole heads: the permutation stays inside each
                 n_heads = layout.num_heads if "q_proj" in hf_name else layout.num_kv_heads
-            array = _unpermute_qk(array, n_heads)
-        if arch in _GEMMA and hf_name.endswith("norm.weight"):
-            array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + w: back to HF's w
-        weights[hf_name] = torch.from_numpy(array).to(dtype)
+        # A linear whose blocks the kernel reads gets its float weight only when a reader
+        # asks (Weights.get): the int8 step never does, and a 7-8B Q4_K_M file's float32
+        # expansion (~30 GB) would not fit beside it.
+        deferred = layout is None and len(tensor.shape) == 2 and hf_name != _EMBEDDING
+        # only float32 runs (the CPU) use the raw-block kernel: keep the blocks for them
+        array, raw = _read_tensor(tensor, path, split, keep_raw=dtype == torch.float32,
+                                  need_float=not deferred)
+        if array is None:
+            weights[hf_name] = torch.empty(_torch_shape(tensor), dtype=dtype, device="meta")
+            lazy[hf_name] = functools.partial(_float_weight, tensor, path, n_heads, dtype)
+        else:
+            if n_heads:
+                array = _unpermute_qk(array, n_heads)
+            if arch in _GEMMA and hf_name.endswith("norm.weight"):
+                array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + w: back to HF's w
+            weights[hf_name] = torch.from_numpy(array).to(dtype)
         qtype = tensor.tensor_type.name
         if raw is None:
             continue
         raw, qtype = as_kernel_type(raw, qtype)
-        if array.ndim == 3:  # MoE experts
-            quantized.update(expert_rows(hf_name, torch.from_numpy(raw), qtype, array.shape))
-        elif array.ndim == 2:
+        shape = tuple(weights[hf_name].shape)
+        if len(shape) == 3:  # MoE experts
+            quantized.update(expert_rows(hf_name, torch.from_numpy(raw), qtype, shape))
+        elif len(shape) == 2:
             if n_heads:  # rows are independent, so the same row permutation applies
                 raw = np.ascontiguousarray(_unpermute_qk(raw, n_heads))
-            quantized[hf_name] = QuantizedWeight(qtype, torch.from_numpy(raw), array.shape)
-    return LoadedModel(config=config, weights=weights, path=path, quantized=quantized, shard=shard)
+            quantized[hf_name] = QuantizedWeight(qtype, torch.from_numpy(raw), shape)
+    return LoadedModel(config=config, weights=ModelWeights(weights, lazy), path=path, quantized=quantized,
+                       shard=shard)
 
 
 def read_gguf_config(path: str) -> ModelConfig:
@@ -186,19 +204,20 @@ def _read_config(reader: GGUFReader, path: str) -> tuple[str, dict[str, Any], Mo
     return arch, tensors, _config_from_metadata(reader, path, arch, tensors)
 
 
-def _read_tensor(tensor: Any, path: str, split: Split | None,
-                 keep_raw: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def _read_tensor(tensor: Any, path: str, split: Split | None, keep_raw: bool,
+                 need_float: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(float32 array in torch shape, its raw ggml rows or None) of the tensor's part under
     `split`. Quantized rows split freely; a split of the input dimension keeps the raw rows
     only where it falls on block boundaries (the CPU kernel reads whole blocks), and
-    otherwise dequantizes the covering blocks and cuts them (the weight then runs in fp32)."""
+    otherwise dequantizes the covering blocks and cuts them (the weight then runs in fp32).
+    Without `need_float` a whole tensor whose raw rows are kept comes without its array."""
     shape = _torch_shape(tensor)
     data = tensor.data
     qtype = tensor.tensor_type
     keep_raw = keep_raw and (qtype.name in QTYPES or qtype.name in REWRITTEN)
     if split is None:
         raw = np.array(data, dtype=np.uint8) if keep_raw else None  # a copy: [rows, row bytes]
-        return _dequantize(tensor, path), raw
+        return (_dequantize(tensor, path) if need_float or raw is None else None), raw
     ndim = len(shape)
     if tuple(data.shape) == shape:  # one element per weight (F32, F16, ...): plain slices
         parts = [np.asarray(data[index(ndim, split.dim, a, b)]) for a, b in split.ranges]
@@ -559,6 +578,12 @@ def _dequantize(tensor: Any, path: str, data: np.ndarray | None = None) -> np.nd
             "installed gguf package cannot dequantize"
         ) from e
     return array if part else array.reshape(_torch_shape(tensor))
+
+
+def _float_weight(tensor: Any, path: str, n_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """A deferred linear's float weight, as the eager load would have made it."""
+    array = _dequantize(tensor, path)
+    return torch.from_numpy(_unpermute_qk(array, n_heads) if n_heads else array).to(dtype)
 
 
 def _unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:

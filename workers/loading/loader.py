@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,11 +24,44 @@ GGUF_MAGIC = b"GGUF"
 EXPECTED_INPUT = "a .gguf file or a Hugging Face model directory containing config.json"
 
 
+class ModelWeights(Mapping[str, torch.Tensor]):
+    """HF names -> tensors, some deferred: a GGUF float32 load keeps the quantized blocks of
+    its 2-D weights (`LoadedModel.quantized`) and makes their float weights only when read
+    (each read makes one). The int8 CPU kernel reads the blocks alone, so a model run that
+    way never holds the float32 expansion (a 7-8B Q4_K_M file's would take ~30 GB)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor],
+                 deferred: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._tensors, self._deferred = tensors, deferred
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        make = self._deferred.get(name)
+        return make() if make is not None else self._tensors[name]
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would make the tensor
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def held(self, name: str) -> torch.Tensor:
+        """The tensor as held: a deferred one is a meta tensor of its shape and dtype."""
+        return self._tensors[name]
+
+
+def held_weight(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """`weights[name]` without making a deferred one (a meta tensor in its place)."""
+    return weights.held(name) if isinstance(weights, ModelWeights) else weights[name]
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
     # HF names -> tensors in the requested dtype; "lm_head.weight" absent when tied
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     path: str
     # Raw ggml blocks of 2-D weights in a type the CPU kernel reads (GGUF float32
     # loads only), by the same HF names and row order as `weights`.

@@ -71,10 +71,15 @@ def qlinear_int8(x: torch.Tensor, qw: QuantizedWeight, lib: object) -> torch.Ten
     return out
 
 
+def _kernel_runs(lib: object | None, device: torch.device, dtype: torch.dtype) -> bool:
+    return lib is not None and device.type == "cpu" and dtype == torch.float32
+
+
 class Linear:
     """A float weight with optional raw quantized rows and the kernel that reads them;
     `int8`: the kernel is csrc/qgemm.c's (every row count), else csrc/qgemv.c's (up to
-    `max_rows` rows, the float weight above)."""
+    `max_rows` rows, the float weight above). Where the int8 kernel reads every row the
+    weight may be a meta tensor (its shape only: layers/weights.py makes none)."""
 
     __slots__ = ("weight", "bias", "quant", "parts", "lib", "max_rows", "int8")
 
@@ -91,7 +96,8 @@ class Linear:
         self.weight = weight
         self.bias = bias
         # the kernels are float32-on-CPU only; anything else keeps the torch path
-        usable = lib is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+        device = torch.device("cpu") if weight.is_meta else weight.device
+        usable = _kernel_runs(lib, device, weight.dtype)
         if not int8 and any(q.qtype not in EXACT_QTYPES for q in (quant, *(parts or ())) if q is not None):
             usable = False
         self.quant = quant if usable else None
@@ -100,8 +106,19 @@ class Linear:
         self.lib = lib
         self.max_rows = max_rows
         self.int8 = int8 and (self.quant is not None or self.parts is not None)
+        if weight.is_meta and not self.int8:
+            raise ValueError("a linear without its float weight needs the int8 kernel on its blocks")
+
+    @staticmethod
+    def int8_reads_blocks(lib: object | None, device: torch.device, dtype: torch.dtype, int8: bool,
+                          quant: QuantizedWeight | None, parts: tuple[QuantizedWeight, ...] | None) -> bool:
+        """Whether a Linear so made multiplies every row through the int8 kernel (and so
+        never reads its float weight)."""
+        return int8 and (quant is not None or bool(parts)) and _kernel_runs(lib, device, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 and x.dim() != 2:  # the kernel takes rows
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         if self.parts is not None and x.dim() == 2 and (self.int8 or x.shape[0] <= self.max_rows):
             run = qlinear_int8 if self.int8 else qlinear
             out = torch.cat([run(x, q, self.lib) for q in self.parts], dim=1)

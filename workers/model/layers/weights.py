@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.workers.loading.loader import held_weight
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.loading.quant_format import QuantizedWeight, concat_rows
 from kvserve.workers.model.layers.norm import RMSNorm
@@ -17,15 +20,21 @@ class Weights:
     reads (`quantized`, float32 CPU runs only; `lib` is that kernel or None, `int8` whether
     it is the 8-bit-activation one).
 
+    Tensors move to the device and dtype when first asked for. A linear the int8 kernel
+    reads never asks for its float weight: a deferred one (loading/loader.py's
+    ModelWeights) is then never made, and the model takes about its file's size in memory.
+
     A tensor-parallel rank's (`tp`) tensors are its shards as loaded: fused linears of them
     are its part of the fused matmul, row-parallel ones add the ranks' sums, the LM head's
     rows are padded to the same count on every rank (for the gather)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
                  lib: object | None, tp: TensorParallel | None = None, int8: bool = False) -> None:
         self.cfg = cfg
-        self.w = {k: t.to(device=device, dtype=dtype) for k, t in weights.items()}
+        self.device, self.dtype = device, dtype
+        self.src = weights
+        self.w: dict[str, torch.Tensor] = {}  # on the device, by name, as asked for
         self.qw = quantized or {}
         self.lib = lib
         self.int8 = int8
@@ -47,18 +56,22 @@ class Weights:
         return x if self.tp is None else self.tp.group.all_reduce(x)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.w
+        return name in self.src
+
+    def _check(self, name: str) -> None:
+        if name not in self.src:
+            raise ModelLoadError(f"{self.cfg.name or 'model'}: missing weight {name}")
 
     def get(self, name: str) -> torch.Tensor:
-        try:
-            return self.w[name]
-        except KeyError:
-            raise ModelLoadError(f"{self.cfg.name or 'model'}: missing weight {name}") from None
+        t = self.w.get(name)
+        if t is None:
+            self._check(name)
+            t = self.w[name] = self.src[name].to(device=self.device, dtype=self.dtype)
+        return t
 
     def linear(self, *names: str, bias: tuple[str, ...] | None = None) -> Linear | ReducedLinear:
         """One matmul for the weights `names` stacked by rows (e.g. q, k, v), with the
         concatenated biases `bias` if given."""
-        weight = self.get(names[0]) if len(names) == 1 else torch.cat([self.get(n) for n in names])
         b = None
         if bias is not None:
             b = torch.cat([self.get(n) for n in bias])
@@ -68,12 +81,24 @@ class Weights:
         if tp is None:
             # parts of different types (K-quant mixes: attn_v wider than q and k) stay apart
             parts = tuple(q for q in qs if q is not None) if quant is None and None not in qs else None
+            if Linear.int8_reads_blocks(self.lib, self.device, self.dtype, self.int8, quant, parts):
+                # the int8 kernel reads every row: the float weight is only its shape
+                for n in names:
+                    self._check(n)
+                shapes = [held_weight(self.src, n).shape for n in names]
+                weight = torch.empty((sum(r for r, _ in shapes), shapes[0][1]), dtype=self.dtype, device="meta")
+            else:
+                weight = self._stacked(names)
             return Linear(weight, b, quant, self.lib, int8=self.int8, parts=parts)
+        weight = self._stacked(names)
         layout = tp.layout
         if layout.vocab_parallel(names[0]) and weight.shape[0] < layout.vocab_per_rank:
             weight, quant = _pad_rows(weight, quant, layout.vocab_per_rank)
         linear = Linear(weight, b, quant, self.lib, int8=self.int8)
         return ReducedLinear(linear, tp.group) if layout.row_parallel(names[0]) else linear
+
+    def _stacked(self, names: tuple[str, ...]) -> torch.Tensor:
+        return self.get(names[0]) if len(names) == 1 else torch.cat([self.get(n) for n in names])
 
     def norm(self, name: str) -> RMSNorm:
         return RMSNorm(self.get(name), self.cfg.rms_norm_eps, self.cfg.norm_offset)

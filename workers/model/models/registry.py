@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -37,7 +37,7 @@ FAMILIES: dict[str, Callable[[ModelConfig, Weights, torch.device, torch.dtype, i
 
 def build_model(
     cfg: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
