@@ -76,7 +76,8 @@ static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == Q
 // The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
 // QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
-// activations (qg_act_blocked).
+// activations (qg_act_blocked). QG_SPLIT_MIN: from this many rows a pass takes a block's
+// integer dots for every row before their float steps (qg_rows8_packed).
 enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16, QG_SPLIT_MIN = 64 };
 #define QG_PACKED_INTER_MIN INT64_MAX
 
@@ -862,19 +863,6 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
     }
 }
 
-// Weights repacked once at load (qgemm_pack) for the few-row path:
-// per 8 consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
-// whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
-// nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
-// Q4_K: per super-block the 8 rows' d and dmin, then per 32-weight slice the rows' 6-bit
-// scales and mins as bytes (ws = d * sc and coef = -(dmin * mn) are formed as qg_scalars
-// forms them) and the slice's weights re-nibbled into Q4's vectors. Q6_K (QG_PK_K6_*): the
-// low 4 bits as Q4's vectors, the top 2 in two more, and the rows' 16-weight scales, which
-// scale the integer dot's halves per lane.
-// Lane r of every vector is then output row n + r: each activation row's 4-byte slices are
-// broadcast and meet 8 weight rows per instruction, with no horizontal sums and nothing
-// transposed per step. Each lane adds v_b into P_{b mod 8} in order of b and ends with the
-// fixed tree: the same bits as every other path.
 // The integer dots of one activation row's block (x: its 32 bytes) with a repacked group's
 // 8 weight rows (lanes), their weights unpacked in u (qg_rows8_packed).
 static inline __attribute__((always_inline)) __m256i qg_pk_idot(const int qtype, const __m256i u[8],
@@ -936,6 +924,19 @@ static inline __attribute__((always_inline)) void qg_pk_add(const int qtype, __m
     *P = _mm256_add_ps(*P, v);
 }
 
+// Weights repacked once at load (qgemm_pack) for the few-row path:
+// per 8 consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
+// whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
+// nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
+// Q4_K: per super-block the 8 rows' d and dmin, then per 32-weight slice the rows' 6-bit
+// scales and mins as bytes (ws = d * sc and coef = -(dmin * mn) are formed as qg_scalars
+// forms them) and the slice's weights re-nibbled into Q4's vectors. Q6_K (QG_PK_K6_*): the
+// low 4 bits as Q4's vectors, the top 2 in two more, and the rows' 16-weight scales, which
+// scale the integer dot's halves per lane.
+// Lane r of every vector is then output row n + r: each activation row's 4-byte slices are
+// broadcast and meet 8 weight rows per instruction, with no horizontal sums and nothing
+// transposed per step. Each lane adds v_b into P_{b mod 8} in order of b and ends with the
+// fixed tree: the same bits as every other path.
 static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtype, const uint8_t *gp,
                                                                   const qg_act *a, float *out,
                                                                   int64_t ldo, int64_t n, const int MR) {
