@@ -58,14 +58,16 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self.src
 
-    def _check(self, name: str) -> None:
+    def _held(self, name: str) -> torch.Tensor:
+        """The tensor as loaded, a deferred one not made (a meta tensor of its shape)."""
         if name not in self.src:
             raise ModelLoadError(f"{self.cfg.name or 'model'}: missing weight {name}")
+        return held_weight(self.src, name)
 
     def get(self, name: str) -> torch.Tensor:
         t = self.w.get(name)
         if t is None:
-            self._check(name)
+            self._held(name)  # a missing name is a ModelLoadError
             t = self.w[name] = self.src[name].to(device=self.device, dtype=self.dtype)
         return t
 
@@ -83,9 +85,7 @@ class Weights:
             parts = tuple(q for q in qs if q is not None) if quant is None and None not in qs else None
             if Linear.int8_reads_blocks(self.lib, self.device, self.dtype, self.int8, quant, parts):
                 # the int8 kernel reads every row: the float weight is only its shape
-                for n in names:
-                    self._check(n)
-                shapes = [held_weight(self.src, n).shape for n in names]
+                shapes = [self._held(n).shape for n in names]
                 weight = torch.empty((sum(r for r, _ in shapes), shapes[0][1]), dtype=self.dtype, device="meta")
             else:
                 weight = self._stacked(names)
