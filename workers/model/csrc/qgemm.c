@@ -78,7 +78,7 @@ static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == Q
 // QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
 // activations (qg_act_blocked). QG_SPLIT_MIN: from this many rows a pass takes a block's
 // integer dots for every row before their float steps (qg_rows8_packed).
-enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16, QG_SPLIT_MIN = 16 };
+enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16, QG_SPLIT_MIN = 4 };
 #define QG_PACKED_INTER_MIN INT64_MAX
 
 static int qg_block_bytes(int qtype) {  // bytes per 32 (Q4_0 ... Q8_0) or 256 weights (K-quants)
@@ -1017,8 +1017,8 @@ static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtyp
         }
         // Every row's integer dots, then every row's float steps: two short chains a row
         // instead of one long one, so more rows are in flight (on an AVX2 host 1.1-1.2x at
-        // 64-512 rows; 1.1-1.3x at 16-48 with the weights streamed from memory by 2 threads,
-        // though slower with them in cache on one: decode reads them from memory).
+        // 64-512 rows, 1.05-1.3x at 4-48 with the weights streamed from memory by 2 threads
+        // as decode reads them; at 2-3 rows no faster).
         for (int m = 0; m < MR; ++m) idot[m] = qg_pk_idot(qtype, u, a->q + m * qm + b * qb, wq, sc0, sc1);
         for (int m = 0; m < MR; ++m) qg_pk_add(qtype, &part[m][b % 8], idot[m], ws, coef, coef1, a, m * fm + b * fb);
     }
