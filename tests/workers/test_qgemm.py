@@ -160,6 +160,19 @@ def _other_simd_build(lib):
     return other
 
 
+def _simd_builds(lib) -> list:
+    """This host's build and the other SIMD path's, and on a host whose build runs the
+    repacked kernel at 512 bits (level 3) also its 256-bit VNNI build (level 2)."""
+    if lib.qgemm_simd_level() == 0:
+        return [lib]
+    builds = [lib, _other_simd_build(lib)]
+    if lib.qgemm_simd_level() == 3:
+        narrow = require_kernel("decode_step", load_decode_step(("-DQG_NO_W512",)))
+        assert narrow.qgemm_simd_level() == 2
+        builds.append(narrow)
+    return builds
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     """Weights repacked 8 rows at a time (the decode step's copy), every type: every row's
@@ -169,7 +182,7 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     other SIMD path's (AVX2 or VNNI); row-major at every row count (a model whose weights
     all have the copy), past 64 rows in passes of 64 (65: a pass of one row after a whole
     one, 129: after two)."""
-    builds = [lib, _other_simd_build(lib)] if lib.qgemm_simd_level() else [lib]
+    builds = _simd_builds(lib)
     rng = np.random.default_rng([*qtype.encode(), 6])
     for k in (256, 512, 768) if qtype in ("Q4_K", "Q5_K", "Q6_K") else (160, 256, 576):
         raw = random_blocks(qtype, 40, k, rng)
@@ -219,10 +232,13 @@ def test_repacking_refuses_what_it_cannot_lay_out(lib) -> None:
     out = torch.empty_like(raw)
     assert lib.qgemm_pack(99, raw.data_ptr(), 40, 256, raw.shape[1], out.data_ptr()) == -1
     assert lib.qgemm_pack_bytes(99, 40, 256) == -1
-    assert lib.qgemm_pack_bytes(QTYPES["Q6_K"][0], 40, 512) == 40 * 2 * 210
+    # the 512-bit kernel's copy pairs the groups of 8 rows: an odd last one with 8 zero rows
+    rows = 48 if lib.qgemm_simd_level() == 3 else 40
+    assert lib.qgemm_pack_bytes(QTYPES["Q6_K"][0], 40, 512) == rows * 2 * 210
     # Q4_K's copy unpacks each row's 12 bytes of 6-bit scales: 148 bytes a super-block
-    assert lib.qgemm_pack_bytes(QTYPES["Q4_K"][0], 40, 512) == 40 * 2 * 148
-    assert lib.qgemm_pack_bytes(QTYPES["Q4_1"][0], 40, 512) == 40 * 16 * 20
+    assert lib.qgemm_pack_bytes(QTYPES["Q4_K"][0], 40, 512) == rows * 2 * 148
+    assert lib.qgemm_pack_bytes(QTYPES["Q4_1"][0], 40, 512) == rows * 16 * 20
+    assert lib.qgemm_pack_bytes(QTYPES["Q4_1"][0], 32, 512) == 32 * 16 * 20
 
 
 def test_this_host_takes_the_simd_path(lib) -> None:
@@ -230,8 +246,9 @@ def test_this_host_takes_the_simd_path(lib) -> None:
         flags = next(line for line in f if line.startswith("flags")).split()
     level = lib.qgemm_simd_level()
     if "avx2" in flags and "fma" in flags and "f16c" in flags:
+        avx512 = all(f in flags for f in ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq"))
         vnni = "avx512_vnni" in flags and "avx512vl" in flags or "avx_vnni" in flags
-        assert level == (2 if vnni else 1)
+        assert level == (3 if avx512 else 2 if vnni else 1)
     else:
         assert level == 0
 

@@ -132,7 +132,7 @@ def load_qgemv() -> ctypes.CDLL | None:
     return lib
 
 
-_STEP_DEPS = ("qgemm.c", "qgemv.c", "paged_decode.c", "fp16.h")
+_STEP_DEPS = ("qgemm.c", "qgemm_packed.h", "qgemv.c", "paged_decode.c", "fp16.h")
 
 
 @lru_cache(maxsize=4)

@@ -43,6 +43,10 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QG_VNNI 1
 #define QG_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && !defined(QG_NO_W512)
+// the repacked kernel also at 16 lanes (two groups of 8 weight rows per 512-bit vector)
+#define QG_W512 1
+#endif
 #elif defined(__AVXVNNI__)
 #define QG_VNNI 1
 #define QG_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
@@ -77,7 +81,7 @@ static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == Q
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
 // QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
 // activations (qg_act_blocked). QG_SPLIT_MIN: from this many rows a pass takes a block's
-// integer dots for every row before their float steps (qg_rows8_packed).
+// integer dots for every row before their float steps (qg_rows_packed).
 enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16, QG_SPLIT_MIN = 4 };
 #define QG_PACKED_INTER_MIN INT64_MAX
 
@@ -119,6 +123,22 @@ static inline int64_t qg_pk_row_bytes(int qtype, int64_t K, int64_t row_bytes) {
     return qtype == QG_Q4_K ? K / QG_QKK * 148 : qtype == QG_Q5_K ? K / QG_QKK * 180 : row_bytes;
 }
 static int qg_block_size(int qtype) { return qg_k4like(qtype) || qtype == QG_Q6_K ? QG_QKK : QG_QK; }
+// A K-quant's repacked super-block in pieces: its header (hdr 1: the rows' d, dmin), then its
+// 8 slices (hdr 0); 0 for the other types, whose piece is a block.
+static inline int64_t qg_pk_kpiece(int qtype, int hdr) {
+    if (qtype == QG_Q6_K) return hdr ? QG_PK_K6_HDR : QG_PK_K6_SLICE;
+    if (qg_k4like(qtype)) return hdr ? QG_PK_K4_HDR : qtype == QG_Q4_K ? QG_PK_K4_SLICE : QG_PK_K5_SLICE;
+    return 0;
+}
+// Builds with the 512-bit kernel pair the groups in the copy (0 and 1, 2 and 3, ...; an odd
+// last one with a group of zeros) and alternate their pieces, so the kernel reads a pair's
+// bytes in order, one stream from memory (the groups one after the other, read as two
+// streams 4.7 KB apart, made one row cost 1.9x as much as at 256 bits).
+#ifdef QG_W512
+#define QG_PAIR 2
+#else
+#define QG_PAIR 1
+#endif
 
 static inline uint16_t qg_rd16(const uint8_t *p) {
     uint16_t v;
@@ -863,172 +883,147 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
     }
 }
 
-// The integer dots of one activation row's block (x: its 32 bytes) with a repacked group's
-// 8 weight rows (lanes), their weights unpacked in u (qg_rows8_packed).
-static inline __attribute__((always_inline)) __m256i qg_pk_idot(const int qtype, const __m256i u[8],
-                                                                const int8_t *x, const __m256i *wq,
-                                                                __m256i sc0, __m256i sc1) {
-    __m256i acc = _mm256_setzero_si256();
-    if (qtype == QG_Q8_0) {  // |w| against x with w's sign; one pair fills 16 bits
-        for (int g = 0; g < 8; ++g) {
-            const __m256i sx = _mm256_sign_epi8(qg_bcast4(x + 4 * g), _mm256_loadu_si256(wq + g));
-#ifdef QG_VNNI
-            acc = QG_DPBUSD(acc, u[g], sx);
-#else
-            acc = _mm256_add_epi32(acc, QG_ACC_I32(_mm256_maddubs_epi16(u[g], sx)));
-#endif
-        }
-    } else if (qtype == QG_Q6_K) {  // 2 x 2 products of 6 bits fill 16 bits
-        __m256i h[2];
-        for (int k = 0; k < 2; ++k) {
-            const __m256i sc = k ? sc1 : sc0;
-#ifdef QG_VNNI
-            __m256i p = _mm256_setzero_si256();
-            for (int g = 4 * k; g < 4 * k + 4; ++g) p = QG_DPBUSD(p, u[g], qg_bcast4(x + 4 * g));
-            h[k] = _mm256_mullo_epi32(p, sc);
-#else
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * k], qg_bcast4(x + 16 * k)),
-                                               _mm256_maddubs_epi16(u[4 * k + 1], qg_bcast4(x + 16 * k + 4)));
-            const __m256i r = _mm256_add_epi16(_mm256_maddubs_epi16(u[4 * k + 2], qg_bcast4(x + 16 * k + 8)),
-                                               _mm256_maddubs_epi16(u[4 * k + 3], qg_bcast4(x + 16 * k + 12)));
-            h[k] = _mm256_add_epi32(_mm256_madd_epi16(p, sc), _mm256_madd_epi16(r, sc));
-#endif
-        }
-        acc = _mm256_add_epi32(h[0], h[1]);
-    } else if (qg_five(qtype)) {  // 4 x 2 products of 5 bits fill 16 bits
-        __m256i h1 = _mm256_setzero_si256();
-        for (int g = 0; g < 4; ++g) {
-            acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
-            h1 = QG_ACC_ADD(h1, u[g + 4], qg_bcast4(x + 16 + 4 * g));
-        }
-        acc = _mm256_add_epi32(QG_ACC_I32(acc), QG_ACC_I32(h1));
-    } else {  // 8 x 2 products of 4 bits: within 16 bits
-        for (int g = 0; g < 8; ++g) acc = QG_ACC_ADD(acc, u[g], qg_bcast4(x + 4 * g));
-        acc = QG_ACC_I32(acc);
-    }
-    return acc;
-}
+// The repacked kernel (qgemm_packed.h) at 8 lanes: one group of 8 weight rows per vector.
+#define QV_CAT_(a, b) a##_##b
+#define QV_CAT(a, b) QV_CAT_(a, b)
+#define QV_NAME(x) QV_CAT(x, QV_W)
+#define QV_W 8
+#define QV_I __m256i
+#define QV_F __m256
+#define QV_ZERO _mm256_setzero_si256
+#define QV_ZEROF _mm256_setzero_ps
+#define QV_B8 _mm256_set1_epi8
+#define QV_B32 _mm256_set1_epi32
+#define QV_BF _mm256_set1_ps
+#define QV_AND _mm256_and_si256
+#define QV_OR _mm256_or_si256
+#define QV_SRLI16 _mm256_srli_epi16
+#define QV_SLLI16 _mm256_slli_epi16
+#define QV_SLLI32 _mm256_slli_epi32
+#define QV_ABS8 _mm256_abs_epi8
+#define QV_ADD16 _mm256_add_epi16
+#define QV_ADD32 _mm256_add_epi32
+#define QV_MULLO32 _mm256_mullo_epi32
+#define QV_MADDUBS _mm256_maddubs_epi16
+#define QV_MADD _mm256_madd_epi16
+#define QV_DPBUSD QG_DPBUSD
+#define QV_ACC_ADD QG_ACC_ADD
+#define QV_ACC_I32 QG_ACC_I32
+#define QV_SG const uint8_t *  // Q8_0's signs: the weights' bytes, read again per row
+#define QV_SG_OF(v, p) (p)
+#define QV_SIGN8(x, sg) _mm256_sign_epi8((x), _mm256_loadu_si256((const __m256i *)(sg)))
+#define QV_BIT_TO4 qg_bit_to4
+#define QV_BCAST4 qg_bcast4
+#define QV_LOADW(p, gs) _mm256_loadu_si256((const __m256i *)(p))
+#define QV_PH(p, gs) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define QV_U8(p, gs) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define QV_I8(p, gs) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define QV_CVTF _mm256_cvtepi32_ps
+#define QV_MULF _mm256_mul_ps
+#define QV_FMA _mm256_fmadd_ps
+#define QV_ADDF _mm256_add_ps
+#define QV_XORF _mm256_xor_ps
+#define QV_STOREF _mm256_storeu_ps
+#include "qgemm_packed.h"
+#undef QV_W
+#undef QV_I
+#undef QV_F
+#undef QV_ZERO
+#undef QV_ZEROF
+#undef QV_B8
+#undef QV_B32
+#undef QV_BF
+#undef QV_AND
+#undef QV_OR
+#undef QV_SRLI16
+#undef QV_SLLI16
+#undef QV_SLLI32
+#undef QV_ABS8
+#undef QV_ADD16
+#undef QV_ADD32
+#undef QV_MULLO32
+#undef QV_MADDUBS
+#undef QV_MADD
+#undef QV_DPBUSD
+#undef QV_ACC_ADD
+#undef QV_ACC_I32
+#undef QV_SG
+#undef QV_SG_OF
+#undef QV_SIGN8
+#undef QV_BIT_TO4
+#undef QV_BCAST4
+#undef QV_LOADW
+#undef QV_PH
+#undef QV_U8
+#undef QV_I8
+#undef QV_CVTF
+#undef QV_MULF
+#undef QV_FMA
+#undef QV_ADDF
+#undef QV_XORF
+#undef QV_STOREF
 
-// v_b of 8 lanes (idot: their integer dots; the activation row's scalars at f) added into
-// their partial sum P.
-static inline __attribute__((always_inline)) void qg_pk_add(const int qtype, __m256 *P, __m256i acc,
-                                                           __m256 ws, __m256 coef, __m256 coef1,
-                                                           const qg_act *a, int64_t f) {
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ws, _mm256_set1_ps(a->d[f])));
-    if (qtype == QG_Q6_K) {
-        v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s0[f]), v);
-        v = _mm256_fmadd_ps(coef1, _mm256_set1_ps(a->s1[f]), v);
-    } else if (qtype != QG_Q8_0) {
-        v = _mm256_fmadd_ps(coef, _mm256_set1_ps(a->s[f]), v);
-    }
-    *P = _mm256_add_ps(*P, v);
+#ifdef QG_W512
+// At 16 lanes (AVX512-VNNI builds): lanes 0-7 are a group's 8 weight rows, lanes 8-15 the
+// next group's, whose bytes lie gs further on in the copy; every per-group load reads both.
+static inline __m512i qg_bcast4_512(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
 }
-
-// Weights repacked once at load (qgemm_pack) for the few-row path:
-// per 8 consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
-// whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
-// nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
-// Q4_K: per super-block the 8 rows' d and dmin, then per 32-weight slice the rows' 6-bit
-// scales and mins as bytes (ws = d * sc and coef = -(dmin * mn) are formed as qg_scalars
-// forms them) and the slice's weights re-nibbled into Q4's vectors. Q6_K (QG_PK_K6_*): the
-// low 4 bits as Q4's vectors, the top 2 in two more, and the rows' 16-weight scales, which
-// scale the integer dot's halves per lane.
-// Lane r of every vector is then output row n + r: each activation row's 4-byte slices are
-// broadcast and meet 8 weight rows per instruction, with no horizontal sums and nothing
-// transposed per step. Each lane adds v_b into P_{b mod 8} in order of b and ends with the
-// fixed tree: the same bits as every other path.
-static inline __attribute__((always_inline)) void qg_rows8_packed(const int qtype, const uint8_t *gp,
-                                                                  const qg_act *a, float *out,
-                                                                  int64_t ldo, int64_t n, const int MR) {
-    const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256 neg = _mm256_set1_ps(-0.0f);
-    __m256 part[QG_SMALL_MAX][8];
-    for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < 8; ++j) part[m][j] = _mm256_setzero_ps();
-    __m256i idot[QG_SMALL_MAX];  // QG_SPLIT_MIN rows and more: a block's integer dots
-    // where row m's block b starts: its bytes at m * qm + b * qb, its floats at m * fm + b * fb
-    const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
-    const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
-    for (int64_t b = 0; b < a->nb; ++b) {
-        const uint8_t *p = gp + b * blk;
-        __m256 ws, coef, coef1 = _mm256_setzero_ps();
-        __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
-        const __m256i *wq;
-        if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales, -32 * d * sc
-            const uint8_t *sb = gp + (b / 8) * QG_PK_K6_SB, *sl = sb + QG_PK_K6_HDR + (b % 8) * QG_PK_K6_SLICE;
-            ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sl));
-            sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sl + 8)));
-            const __m256 d32 = _mm256_mul_ps(_mm256_set1_ps(-32.f), ws);
-            coef = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc0));
-            coef1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(sc1));
-#ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
-            sc0 = _mm256_or_si256(_mm256_and_si256(sc0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc0, 16));
-            sc1 = _mm256_or_si256(_mm256_and_si256(sc1, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc1, 16));
+static inline __m512i qg_loadw_512(const uint8_t *p, int64_t gs) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + gs)), 1);
+}
+static inline __m128i qg_8bytes2(const uint8_t *p, int64_t gs) {  // 8 bytes of each group
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + gs)));
+}
+static inline __m512 qg_ph_512(const uint8_t *p, int64_t gs) {  // 8 f16 of each group
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + gs)),
+                                            _mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512i qg_bit_to4_512(__m512i v, int g) {
+    const __m512i t = g <= 4 ? _mm512_sll_epi16(v, _mm_cvtsi32_si128(4 - g)) : _mm512_srl_epi16(v, _mm_cvtsi32_si128(g - 4));
+    return _mm512_and_si512(t, _mm512_set1_epi8(0x10));
+}
+#define QV_W 16
+#define QV_I __m512i
+#define QV_F __m512
+#define QV_ZERO _mm512_setzero_si512
+#define QV_ZEROF _mm512_setzero_ps
+#define QV_B8 _mm512_set1_epi8
+#define QV_B32 _mm512_set1_epi32
+#define QV_BF _mm512_set1_ps
+#define QV_AND _mm512_and_si512
+#define QV_OR _mm512_or_si512
+#define QV_SRLI16 _mm512_srli_epi16
+#define QV_SLLI16 _mm512_slli_epi16
+#define QV_SLLI32 _mm512_slli_epi32
+#define QV_ABS8 _mm512_abs_epi8
+#define QV_ADD32 _mm512_add_epi32
+#define QV_MULLO32 _mm512_mullo_epi32
+#define QV_DPBUSD _mm512_dpbusd_epi32
+#define QV_ACC_ADD _mm512_dpbusd_epi32
+#define QV_ACC_I32(acc) (acc)
+// Q8_0's signs as a mask, once a block: x negated where the weight is negative (vpsignb
+// has no 512-bit form; where it is 0, x stays and meets |w| = 0, as psignb's 0 would).
+#define QV_SG __mmask64
+#define QV_SG_OF(v, p) _mm512_movepi8_mask(v)
+#define QV_SIGN8(x, sg) _mm512_mask_sub_epi8((x), (sg), _mm512_setzero_si512(), (x))
+#define QV_BIT_TO4 qg_bit_to4_512
+#define QV_BCAST4 qg_bcast4_512
+#define QV_LOADW qg_loadw_512
+#define QV_PH qg_ph_512
+#define QV_U8(p, gs) _mm512_cvtepu8_epi32(qg_8bytes2((p), (gs)))
+#define QV_I8(p, gs) _mm512_cvtepi8_epi32(qg_8bytes2((p), (gs)))
+#define QV_CVTF _mm512_cvtepi32_ps
+#define QV_MULF _mm512_mul_ps
+#define QV_FMA _mm512_fmadd_ps
+#define QV_ADDF _mm512_add_ps
+#define QV_XORF _mm512_xor_ps
+#define QV_STOREF _mm512_storeu_ps
+#include "qgemm_packed.h"
 #endif
-            wq = (const __m256i *)(sl + 16);
-        } else if (qg_k4like(qtype)) {  // as qg_scalars: d * sc, -(dmin * mn)
-            const int64_t sbb = qtype == QG_Q4_K ? QG_PK_K4_SB : QG_PK_K5_SB;
-            const int64_t slb = qtype == QG_Q4_K ? QG_PK_K4_SLICE : QG_PK_K5_SLICE;
-            const uint8_t *sb = gp + (b / 8) * sbb, *sl = sb + QG_PK_K4_HDR + (b % 8) * slb;
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sl)));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sl + 8))));
-            ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)), sc);
-            coef = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16))), mn), neg);
-            wq = (const __m256i *)(sl + 16);
-        } else {
-            ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            coef = qg_min32(qtype)   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
-                   : qg_off32(qtype) ? _mm256_mul_ps(_mm256_set1_ps((float)-qg_off32(qtype)), ws)
-                                     : _mm256_setzero_ps();
-            wq = (const __m256i *)(p + hdr);
-        }
-        __m256i u[8];
-        if (qtype == QG_Q8_0) {
-            for (int g = 0; g < 8; ++g) u[g] = _mm256_abs_epi8(_mm256_loadu_si256(wq + g));
-        } else if (qtype == QG_Q6_K) {
-            const __m256i m2 = _mm256_set1_epi8(0x03), hq[2] = {_mm256_loadu_si256(wq + 4), _mm256_loadu_si256(wq + 5)};
-            for (int h = 0; h < 4; ++h) {
-                const __m256i v = _mm256_loadu_si256(wq + h);
-                u[h] = _mm256_and_si256(v, m4);
-                u[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-            for (int g = 0; g < 8; ++g) {  // weights 4g..4g+3: bits 2 * (g / 2) of vector g % 2
-                const __m256i t = _mm256_and_si256(_mm256_srli_epi16(hq[g % 2], 2 * (g / 2)), m2);
-                u[g] = _mm256_or_si256(u[g], _mm256_slli_epi16(t, 4));
-            }
-        } else {
-            for (int h = 0; h < 4; ++h) {
-                const __m256i v = _mm256_loadu_si256(wq + h);
-                u[h] = _mm256_and_si256(v, m4);
-                u[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-            if (qg_five(qtype)) {  // bit g of the fifth-bit vector: weights 4g..4g+3
-                const __m256i hv = _mm256_loadu_si256(wq + 4);
-                for (int g = 0; g < 8; ++g) u[g] = _mm256_or_si256(u[g], qg_bit_to4(hv, g));
-            }
-        }
-        if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0) {  // Q8_0 split: 0.96x
-            for (int m = 0; m < MR; ++m)
-                qg_pk_add(qtype, &part[m][b % 8], qg_pk_idot(qtype, u, a->q + m * qm + b * qb, wq, sc0, sc1),
-                          ws, coef, coef1, a, m * fm + b * fb);
-            continue;
-        }
-        // Every row's integer dots, then every row's float steps: two short chains a row
-        // instead of one long one, so more rows are in flight (on an AVX2 host 1.1-1.2x at
-        // 64-512 rows, 1.05-1.3x at 4-48 with the weights streamed from memory by 2 threads
-        // as decode reads them; at 2-3 rows no faster).
-        for (int m = 0; m < MR; ++m) idot[m] = qg_pk_idot(qtype, u, a->q + m * qm + b * qb, wq, sc0, sc1);
-        for (int m = 0; m < MR; ++m) qg_pk_add(qtype, &part[m][b % 8], idot[m], ws, coef, coef1, a, m * fm + b * fb);
-    }
-    for (int m = 0; m < MR; ++m) {
-        const __m256 *P = part[m];
-        _mm256_storeu_ps(out + m * ldo + n,
-                         _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(P[0], P[1]), _mm256_add_ps(P[2], P[3])),
-                                       _mm256_add_ps(_mm256_add_ps(P[4], P[5]), _mm256_add_ps(P[6], P[7]))));
-    }
-}
 
 // A row-major pass's activations copied block by block into this thread's buffer (grown,
 // kept for the thread's life): one block of every row is then one run of bytes. Row-major,
@@ -1076,9 +1071,18 @@ static inline __attribute__((always_inline)) void qg_groups_packed(const int qty
     qg_act v;
     if (a->M >= QG_BLOCKED_MIN && !qg_act_blocked(a, &v)) a = &v;
     for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t *gp = wp + g * 8 * pk_bytes;
-        if (a->M == 1) qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, 1);  // batch-1 decode
-        else qg_rows8_packed(qtype, gp, a, out, ldo, 8 * g, (int)a->M);
+        const uint8_t *pp = wp + (g - g % QG_PAIR) * 8 * pk_bytes;  // its pair's bytes
+        const int h = (int)(g % QG_PAIR);
+#ifdef QG_W512
+        if (h == 0 && g + 1 < g1) {  // a whole pair; a share's odd group at 8 lanes
+            if (a->M == 1) qg_rows_packed_16(qtype, pp, 0, a, out, ldo, 8 * g, 1);  // batch-1 decode
+            else qg_rows_packed_16(qtype, pp, 0, a, out, ldo, 8 * g, (int)a->M);
+            ++g;
+            continue;
+        }
+#endif
+        if (a->M == 1) qg_rows_packed_8(qtype, pp, h, a, out, ldo, 8 * g, 1);  // batch-1 decode
+        else qg_rows_packed_8(qtype, pp, h, a, out, ldo, 8 * g, (int)a->M);
     }
 }
 
@@ -1187,9 +1191,11 @@ static int qg_check(int qtype, int64_t K, int64_t row_bytes) {
 int64_t qgemm_scratch_bytes(int64_t M, int64_t K) { return qg_act_bytes(M, K); }
 
 // Which integer path this build takes: 0 scalar, 1 AVX2, 2 AVX2 with VNNI (AVX512-VNNI or
-// AVX-VNNI).
+// AVX-VNNI), 3 VNNI with the repacked kernel at 512 bits.
 int qgemm_simd_level(void) {
-#if defined(QG_VNNI)
+#if defined(QG_W512)
+    return 3;
+#elif defined(QG_VNNI)
     return 2;
 #elif defined(QG_AVX2)
     return 1;
@@ -1251,12 +1257,8 @@ static void qg_pack_bit4(const uint8_t u[32], uint8_t *dst) {
     }
 }
 
-// Repack rows of any type for the few-row path (qg_rows8_packed's layout): out has
-// qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 and Q5_K's 180 a row per super-block,
-// the others' as many as the original). Returns 0, or -1 for an unknown type, a bad shape or
-// N not a multiple of 8.
-int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
-    if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
+// The groups of 8 rows one after another, each its units in order (qgemm_pack's first step).
+static int qg_pack_groups(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
     if (qg_k4like(qtype) || qtype == QG_Q6_K) {
         const int k4 = qg_k4like(qtype), k5 = qtype == QG_Q5_K;
         const int64_t sbb = k5 ? QG_PK_K5_SB : k4 ? QG_PK_K4_SB : QG_PK_K6_SB, hdr = k4 ? QG_PK_K4_HDR : QG_PK_K6_HDR;
@@ -1325,10 +1327,44 @@ int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_by
     return 0;
 }
 
+// Repack rows of any type for the few-row path (qg_rows_packed's layout): out has
+// qgemm_pack_bytes(qtype, N, K) bytes (Q4_K's 148 and Q5_K's 180 a row per super-block,
+// the others' as many as the original; with QG_PAIR 2, N rounded up to 16 rows and each
+// pair's units alternating). Returns 0, or -1 for an unknown type, a bad shape, N not a
+// multiple of 8 or no memory.
+int qgemm_pack(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, uint8_t *out) {
+    if (!qg_packable(qtype) || qg_check(qtype, K, row_bytes) || N % 8) return -1;
+    qg_pack_groups(qtype, w, N, K, row_bytes, out);
+    if (QG_PAIR == 1) return 0;
+    // each pair's pieces alternate: a block of each (K-quants: per super-block the two
+    // headers, then each slice of each)
+    const int64_t gbytes = 8 * qg_pk_row_bytes(qtype, K, row_bytes);
+    const int64_t khdr = qg_pk_kpiece(qtype, 1), kslice = qg_pk_kpiece(qtype, 0);
+    const int64_t unit = khdr ? khdr + 8 * kslice : 8 * qg_block_bytes(qtype), units = gbytes / unit;
+    if ((N / 8) % 2) memset(out + N * (gbytes / 8), 0, (size_t)gbytes);  // the last pair's zeros
+    uint8_t *tmp = malloc((size_t)(2 * gbytes));
+    if (tmp == NULL) return -1;
+    for (int64_t p = 0; p < (N / 8 + 1) / 2; ++p) {
+        uint8_t *o = out + 2 * p * gbytes;
+        memcpy(tmp, o, (size_t)(2 * gbytes));
+        for (int64_t u = 0; u < units; ++u) {
+            int64_t off = 0;  // within the unit
+            for (int piece = 0; piece < (khdr ? 9 : 1); ++piece) {
+                const int64_t len = !khdr ? unit : piece ? kslice : khdr;
+                for (int h = 0; h < 2; ++h, o += len) memcpy(o, tmp + h * gbytes + u * unit + off, (size_t)len);
+                off += len;
+            }
+        }
+    }
+    free(tmp);
+    return 0;
+}
+
 // The bytes qgemm_pack writes for N rows (-1: a type it does not repack).
 int64_t qgemm_pack_bytes(int qtype, int64_t N, int64_t K) {
     if (!qg_packable(qtype) || qg_block_bytes(qtype) < 0 || K % qg_block_size(qtype)) return -1;
-    return N * qg_pk_row_bytes(qtype, K, K / qg_block_size(qtype) * qg_block_bytes(qtype));
+    const int64_t rows = (N + 8 * QG_PAIR - 1) / (8 * QG_PAIR) * (8 * QG_PAIR);
+    return rows * qg_pk_row_bytes(qtype, K, K / qg_block_size(qtype) * qg_block_bytes(qtype));
 }
 
 // qgemm_q8 with the repacked copy wp of w (qgemm_pack) beside it: row-major at every row

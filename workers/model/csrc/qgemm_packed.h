@@ -1,0 +1,192 @@
+// The repacked few-row kernel (qgemm.c), included once per vector width: QV_W 8 lanes
+// (one group of 8 weight rows, 256-bit vectors) or 16 (two adjacent groups, 512-bit;
+// builds with AVX512-VNNI). The QV_* operations are defined by the includer for the width.
+// Every lane does the same operations in the same order at either width, so a row's bits
+// do not depend on which width ran it.
+
+// The integer dots of one activation row's block (x: its 32 bytes) with the groups' weight
+// rows (lanes), their weights unpacked in u (Q8_0: their magnitudes, sg their signs).
+static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int qtype, const QV_I u[8],
+                                                                     const int8_t *x, const QV_SG sg[8],
+                                                                     QV_I sc0, QV_I sc1) {
+    QV_I acc = QV_ZERO();
+    if (qtype == QG_Q8_0) {  // |w| against x with w's sign; one pair fills 16 bits
+        for (int g = 0; g < 8; ++g) {
+            const QV_I sx = QV_SIGN8(QV_BCAST4(x + 4 * g), sg[g]);
+#ifdef QG_VNNI
+            acc = QV_DPBUSD(acc, u[g], sx);
+#else
+            acc = QV_ADD32(acc, QV_ACC_I32(QV_MADDUBS(u[g], sx)));
+#endif
+        }
+    } else if (qtype == QG_Q6_K) {  // 2 x 2 products of 6 bits fill 16 bits
+        QV_I h[2];
+        for (int k = 0; k < 2; ++k) {
+            const QV_I sc = k ? sc1 : sc0;
+#ifdef QG_VNNI
+            QV_I p = QV_ZERO();
+            for (int g = 4 * k; g < 4 * k + 4; ++g) p = QV_DPBUSD(p, u[g], QV_BCAST4(x + 4 * g));
+            h[k] = QV_MULLO32(p, sc);
+#else
+            const QV_I p = QV_ADD16(QV_MADDUBS(u[4 * k], QV_BCAST4(x + 16 * k)),
+                                    QV_MADDUBS(u[4 * k + 1], QV_BCAST4(x + 16 * k + 4)));
+            const QV_I r = QV_ADD16(QV_MADDUBS(u[4 * k + 2], QV_BCAST4(x + 16 * k + 8)),
+                                    QV_MADDUBS(u[4 * k + 3], QV_BCAST4(x + 16 * k + 12)));
+            h[k] = QV_ADD32(QV_MADD(p, sc), QV_MADD(r, sc));
+#endif
+        }
+        acc = QV_ADD32(h[0], h[1]);
+    } else if (qg_five(qtype)) {  // 4 x 2 products of 5 bits fill 16 bits
+        QV_I h1 = QV_ZERO();
+        for (int g = 0; g < 4; ++g) {
+            acc = QV_ACC_ADD(acc, u[g], QV_BCAST4(x + 4 * g));
+            h1 = QV_ACC_ADD(h1, u[g + 4], QV_BCAST4(x + 16 + 4 * g));
+        }
+        acc = QV_ADD32(QV_ACC_I32(acc), QV_ACC_I32(h1));
+    } else {  // 8 x 2 products of 4 bits: within 16 bits
+        for (int g = 0; g < 8; ++g) acc = QV_ACC_ADD(acc, u[g], QV_BCAST4(x + 4 * g));
+        acc = QV_ACC_I32(acc);
+    }
+    return acc;
+}
+
+// v_b of the lanes (idot: their integer dots; the activation row's scalars at f) added into
+// their partial sum P.
+static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int qtype, QV_F *P, QV_I acc,
+                                                                    QV_F ws, QV_F coef, QV_F coef1,
+                                                                    const qg_act *a, int64_t f) {
+    QV_F v = QV_MULF(QV_CVTF(acc), QV_MULF(ws, QV_BF(a->d[f])));
+    if (qtype == QG_Q6_K) {
+        v = QV_FMA(coef, QV_BF(a->s0[f]), v);
+        v = QV_FMA(coef1, QV_BF(a->s1[f]), v);
+    } else if (qtype != QG_Q8_0) {
+        v = QV_FMA(coef, QV_BF(a->s[f]), v);
+    }
+    *P = QV_ADDF(*P, v);
+}
+
+// Weights repacked once at load (qgemm_pack) for the few-row path:
+// per 8 consecutive weight rows and block, their 8 scales (f16), Q4_1's 8 mins, then vectors
+// whose lane r holds 4 bytes of row r's quants (Q4: 4 vectors, bytes 4h..4h+3 of the
+// nibbles, i.e. weights 4h..4h+3 low and 16+4h.. high; Q8_0: 8 vectors, weights 4g..4g+3).
+// Q4_K: per super-block the 8 rows' d and dmin, then per 32-weight slice the rows' 6-bit
+// scales and mins as bytes (ws = d * sc and coef = -(dmin * mn) are formed as qg_scalars
+// forms them) and the slice's weights re-nibbled into Q4's vectors. Q6_K (QG_PK_K6_*): the
+// low 4 bits as Q4's vectors, the top 2 in two more, and the rows' 16-weight scales, which
+// scale the integer dot's halves per lane.
+// Lane r of every vector is then output row n + r (at 16 lanes, lanes 8-15 are the pair's
+// second group, whose piece follows the first's: qgemm_pack): each activation row's 4-byte
+// slices are broadcast and meet QV_W weight rows per instruction, with no horizontal sums and
+// nothing transposed per step. pp: the group's bytes (QG_PAIR 2: its pair's), h: which of
+// the pair (0 at 16 lanes).
+// Each lane adds v_b into P_{b mod 8} in order of b and ends with the fixed tree: the same
+// bits as every other path.
+static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const int qtype, const uint8_t *pp,
+                                                                         const int h, const qg_act *a,
+                                                                         float *out, int64_t ldo, int64_t n,
+                                                                         const int MR) {
+    const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
+    const QV_I m4 = QV_B8(0x0F);
+    const QV_F neg = QV_BF(-0.0f);
+    QV_F part[QG_SMALL_MAX][8];
+    for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 8; ++j) part[m][j] = QV_ZEROF();
+    QV_I idot[QG_SMALL_MAX];  // QG_SPLIT_MIN rows and more: a block's integer dots
+    // where row m's block b starts: its bytes at m * qm + b * qb, its floats at m * fm + b * fb
+    const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
+    const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
+    // K-quants: a super-block's header, then its slices (qg_pk_kpiece); the others: blocks
+    const int64_t khdr = qg_pk_kpiece(qtype, 1), kslice = qg_pk_kpiece(qtype, 0);
+    const int64_t sbb = khdr + 8 * kslice;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        QV_F ws, coef, coef1 = QV_ZEROF();
+        QV_I sc0 = QV_ZERO(), sc1 = QV_ZERO();
+        const uint8_t *wq;
+        int64_t gs = blk;  // from a piece of the first group to the second's (16 lanes)
+        if (qtype == QG_Q6_K || qg_k4like(qtype)) {
+            const uint8_t *sp = pp + (b / 8) * sbb * QG_PAIR, *sb = sp + h * khdr;
+            const uint8_t *sl = sp + QG_PAIR * khdr + (QG_PAIR * (b % 8) + h) * kslice;
+            gs = kslice;
+            if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales, -32 * d * sc
+                ws = QV_PH(sb, khdr);
+                sc0 = QV_I8(sl, kslice);
+                sc1 = QV_I8(sl + 8, kslice);
+                const QV_F d32 = QV_MULF(QV_BF(-32.f), ws);
+                coef = QV_MULF(d32, QV_CVTF(sc0));
+                coef1 = QV_MULF(d32, QV_CVTF(sc1));
+#ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
+                sc0 = QV_OR(QV_AND(sc0, QV_B32(0xFFFF)), QV_SLLI32(sc0, 16));
+                sc1 = QV_OR(QV_AND(sc1, QV_B32(0xFFFF)), QV_SLLI32(sc1, 16));
+#endif
+            } else {  // as qg_scalars: d * sc, -(dmin * mn)
+                const QV_F sc = QV_CVTF(QV_U8(sl, kslice)), mn = QV_CVTF(QV_U8(sl + 8, kslice));
+                ws = QV_MULF(QV_PH(sb, khdr), sc);
+                coef = QV_XORF(QV_MULF(QV_PH(sb + 16, khdr), mn), neg);
+            }
+            wq = sl + 16;
+        } else {
+            const uint8_t *p = pp + (b * QG_PAIR + h) * blk;
+            ws = QV_PH(p, blk);
+            coef = qg_min32(qtype)   ? QV_PH(p + 16, blk)
+                   : qg_off32(qtype) ? QV_MULF(QV_BF((float)-qg_off32(qtype)), ws)
+                                     : QV_ZEROF();
+            wq = p + hdr;
+        }
+        (void)gs;
+#if QV_W == 16
+        // the pair's bytes 4 KB ahead, as many as this block reads: without, one to 8 rows
+        // waited on memory and ran 0.6-0.95x the 256-bit kernel's speed (1.05-1.5x with)
+        for (int64_t o = 0; o < 2 * gs; o += 64) _mm_prefetch((const char *)wq + 4096 + o, _MM_HINT_T0);
+#endif
+        QV_I u[8];
+        QV_SG sg[8];
+        if (qtype == QG_Q8_0) {
+            for (int g = 0; g < 8; ++g) {
+                const QV_I v = QV_LOADW(wq + 32 * g, gs);
+                u[g] = QV_ABS8(v);
+                sg[g] = QV_SG_OF(v, wq + 32 * g);
+            }
+        } else if (qtype == QG_Q6_K) {
+            const QV_I m2 = QV_B8(0x03), hq[2] = {QV_LOADW(wq + 128, gs), QV_LOADW(wq + 160, gs)};
+            for (int h = 0; h < 4; ++h) {
+                const QV_I v = QV_LOADW(wq + 32 * h, gs);
+                u[h] = QV_AND(v, m4);
+                u[h + 4] = QV_AND(QV_SRLI16(v, 4), m4);
+            }
+            for (int g = 0; g < 8; ++g) {  // weights 4g..4g+3: bits 2 * (g / 2) of vector g % 2
+                const QV_I t = QV_AND(QV_SRLI16(hq[g % 2], 2 * (g / 2)), m2);
+                u[g] = QV_OR(u[g], QV_SLLI16(t, 4));
+            }
+        } else {
+            for (int h = 0; h < 4; ++h) {
+                const QV_I v = QV_LOADW(wq + 32 * h, gs);
+                u[h] = QV_AND(v, m4);
+                u[h + 4] = QV_AND(QV_SRLI16(v, 4), m4);
+            }
+            if (qg_five(qtype)) {  // bit g of the fifth-bit vector: weights 4g..4g+3
+                const QV_I hv = QV_LOADW(wq + 128, gs);
+                for (int g = 0; g < 8; ++g) u[g] = QV_OR(u[g], QV_BIT_TO4(hv, g));
+            }
+        }
+        if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0) {  // Q8_0 split: 0.96x
+            for (int m = 0; m < MR; ++m)
+                QV_NAME(qg_pk_add)(qtype, &part[m][b % 8],
+                                   QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1),
+                                   ws, coef, coef1, a, m * fm + b * fb);
+            continue;
+        }
+        // Every row's integer dots, then every row's float steps: two short chains a row
+        // instead of one long one, so more rows are in flight (on an AVX2 host 1.1-1.2x at
+        // 64-512 rows, 1.05-1.3x at 4-48 with the weights streamed from memory by 2 threads
+        // as decode reads them; at 2-3 rows no faster).
+        for (int m = 0; m < MR; ++m)
+            idot[m] = QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1);
+        for (int m = 0; m < MR; ++m)
+            QV_NAME(qg_pk_add)(qtype, &part[m][b % 8], idot[m], ws, coef, coef1, a, m * fm + b * fb);
+    }
+    for (int m = 0; m < MR; ++m) {
+        const QV_F *P = part[m];
+        QV_STOREF(out + m * ldo + n, QV_ADDF(QV_ADDF(QV_ADDF(P[0], P[1]), QV_ADDF(P[2], P[3])),
+                                             QV_ADDF(QV_ADDF(P[4], P[5]), QV_ADDF(P[6], P[7]))));
+    }
+}
