@@ -11,7 +11,8 @@
 //    repacked copy (every type: qgemm_pack, made once at load by the decode step), in
 //    passes of QG_SMALL_MAX rows. With the copy 8 weight rows are interleaved 4 bytes at a
 //    time, so each lane is one output row and each activation row's 4-byte slices are
-//    broadcast to meet 8 weight rows in one instruction; without one (or for rows outside
+//    broadcast to meet 8 weight rows in one instruction (16 in AVX512-VNNI builds, which
+//    pair the groups: qgemm_packed.h, QG_PAIR); without one (or for rows outside
 //    whole groups of 8: threads share rows out in whole groups, so only a row count that is
 //    no multiple of 8 has them) a weight block is unpacked once and meets each row's 32
 //    bytes in one vector, then 8 blocks' dots are reduced across lanes. From
