@@ -965,8 +965,8 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
 #undef QV_STOREF
 
 #ifdef QG_W512
-// At 16 lanes (AVX512-VNNI builds): lanes 0-7 are a group's 8 weight rows, lanes 8-15 the
-// next group's, whose bytes lie gs further on in the copy; every per-group load reads both.
+// At 16 lanes (AVX512-VNNI builds): lanes 0-7 are a group's 8 weight rows, lanes 8-15 its
+// pair's, whose piece follows the first's (gs: a piece's bytes); every load reads both.
 static inline __m512i qg_bcast4_512(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
