@@ -181,8 +181,8 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
     partial chunk of blocks (K-quants: 1-3 super-blocks), on this host's build and the
     other SIMD path's (AVX2 or VNNI; where the host's runs the copy's kernel at 512 bits,
     in pairs of groups, also the 256-bit VNNI build; 3 threads' shares of 5 groups give
-    pairs, a pair's second group alone and an odd last group); row-major at every row count (a model whose weights
-    all have the copy), past 64 rows in passes of 64 (65: a pass of one row after a whole
+    pairs, a pair's second group alone and an odd last group); row-major at every row
+    count (a model whose weights all have the copy), past 64 rows in passes of 64 (65: a pass of one row after a whole
     one, 129: after two)."""
     builds = _simd_builds(lib)
     rng = np.random.default_rng([*qtype.encode(), 6])

@@ -926,43 +926,6 @@ static inline __attribute__((always_inline)) void qg_row_small(int qtype, const 
 #define QV_XORF _mm256_xor_ps
 #define QV_STOREF _mm256_storeu_ps
 #include "qgemm_packed.h"
-#undef QV_W
-#undef QV_I
-#undef QV_F
-#undef QV_ZERO
-#undef QV_ZEROF
-#undef QV_B8
-#undef QV_B32
-#undef QV_BF
-#undef QV_AND
-#undef QV_OR
-#undef QV_SRLI16
-#undef QV_SLLI16
-#undef QV_SLLI32
-#undef QV_ABS8
-#undef QV_ADD16
-#undef QV_ADD32
-#undef QV_MULLO32
-#undef QV_MADDUBS
-#undef QV_MADD
-#undef QV_DPBUSD
-#undef QV_ACC_ADD
-#undef QV_ACC_I32
-#undef QV_SG
-#undef QV_SG_OF
-#undef QV_SIGN8
-#undef QV_BIT_TO4
-#undef QV_BCAST4
-#undef QV_LOADW
-#undef QV_PH
-#undef QV_U8
-#undef QV_I8
-#undef QV_CVTF
-#undef QV_MULF
-#undef QV_FMA
-#undef QV_ADDF
-#undef QV_XORF
-#undef QV_STOREF
 
 #ifdef QG_W512
 // At 16 lanes (AVX512-VNNI builds): lanes 0-7 are a group's 8 weight rows, lanes 8-15 its

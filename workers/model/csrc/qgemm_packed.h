@@ -1,6 +1,7 @@
 // The repacked few-row kernel (qgemm.c), included once per vector width: QV_W 8 lanes
 // (one group of 8 weight rows, 256-bit vectors) or 16 (two adjacent groups, 512-bit;
-// builds with AVX512-VNNI). The QV_* operations are defined by the includer for the width.
+// builds with AVX512-VNNI). The QV_* operations are defined by the includer for the width
+// and undefined at the end of this file.
 // Every lane does the same operations in the same order at either width, so a row's bits
 // do not depend on which width ran it.
 
@@ -135,7 +136,7 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
         (void)gs;
 #if QV_W == 16
         // the pair's bytes 4 KB ahead, as many as this block reads: without, one to 8 rows
-        // waited on memory and ran 0.6-0.95x the 256-bit kernel's speed (1.05-1.5x with)
+        // waited on memory and ran 0.56-1.2x the 256-bit kernel's speed (0.95-1.7x with)
         for (int64_t o = 0; o < 2 * gs; o += 64) _mm_prefetch((const char *)wq + 4096 + o, _MM_HINT_T0);
 #endif
         QV_I u[8];
@@ -190,3 +191,41 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
                                              QV_ADDF(QV_ADDF(P[4], P[5]), QV_ADDF(P[6], P[7]))));
     }
 }
+
+#undef QV_W
+#undef QV_I
+#undef QV_F
+#undef QV_ZERO
+#undef QV_ZEROF
+#undef QV_B8
+#undef QV_B32
+#undef QV_BF
+#undef QV_AND
+#undef QV_OR
+#undef QV_SRLI16
+#undef QV_SLLI16
+#undef QV_SLLI32
+#undef QV_ABS8
+#undef QV_ADD16
+#undef QV_ADD32
+#undef QV_MULLO32
+#undef QV_MADDUBS
+#undef QV_MADD
+#undef QV_DPBUSD
+#undef QV_ACC_ADD
+#undef QV_ACC_I32
+#undef QV_SG
+#undef QV_SG_OF
+#undef QV_SIGN8
+#undef QV_BIT_TO4
+#undef QV_BCAST4
+#undef QV_LOADW
+#undef QV_PH
+#undef QV_U8
+#undef QV_I8
+#undef QV_CVTF
+#undef QV_MULF
+#undef QV_FMA
+#undef QV_ADDF
+#undef QV_XORF
+#undef QV_STOREF
