@@ -118,7 +118,10 @@ def _chunks_with_interval(interval_ms: float, steps_per_read: int = 0) -> list[d
 
 
 def test_paced_stream_sends_first_token_at_once_and_merges_the_rest():
-    chunks = _chunks_with_interval(60_000)
+    # the engine held and stepped by hand: the first token's chunk is read before the second
+    # step (not hoped for: on a fast host two free-running steps beat the first read), then
+    # the other 15 steps run before the next read
+    chunks = _chunks_with_interval(60_000, steps_per_read=15)
     # the first token is not held back, and the end of the stream is not waited for
     assert [len(c["token_ids"]) for c in chunks] == [1, 15]
     assert chunks[0]["finish_reason"] is None and chunks[1]["finish_reason"] == "length"
