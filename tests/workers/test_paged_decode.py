@@ -98,3 +98,27 @@ def test_prompt_rows_in_tiles_give_each_rows_own_bits(hq, hkv, d, window, cap) -
         assert torch.equal(out[i], alone[0]), i
     want = _reference(q, k, v, tables, lens, bs, scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(16, 4, 64), (8, 2, 128), (4, 4, 48), (4, 2, 40)])
+def test_the_256_bit_build_gives_the_same_bits(hq, hkv, d) -> None:
+    """On an AVX-512 host the dot products and V sums run 16 lanes wide where D is a multiple
+    of 16 (40: 8 lanes in both builds); the 256-bit build (-DKV_NO_W512) gives every row the
+    same bits, decode rows and prompt tiles alike (on an AVX2 host both builds are that one)."""
+    lib = require_kernel("paged_decode", load_paged_decode())
+    narrow = require_kernel("paged_decode", load_paged_decode(("-DKV_NO_W512",)))
+    g = torch.Generator().manual_seed(hq * d)
+    bs, nb = 16, 39
+    k = torch.randn(nb, bs, hkv, d, generator=g) * 2
+    v = torch.randn(nb, bs, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    lens_l = [*range(57, 76), 70, 1, 200]  # a prompt chunk's tiles, then decode rows
+    tables = torch.stack([perm[:13]] * 20 + [perm[13:26], perm[26:39]])
+    lens = torch.tensor(lens_l, dtype=torch.int32)
+    q = torch.randn(len(lens_l), hq, d, generator=g)
+    for window, cap in ((0, 0.0), (0, 3.0), (12, 0.0)):
+        scale = 0.3 if cap else d**-0.5
+        out = _run(lib, q, k, v, tables, lens, bs, scale, window, cap)
+        assert torch.equal(out, _run(narrow, q, k, v, tables, lens, bs, scale, window, cap))
+        want = _reference(q, k, v, tables, lens, bs, scale, window, cap)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)

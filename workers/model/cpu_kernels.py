@@ -105,10 +105,11 @@ def _build(name: str, flags: list[str], deps: tuple[str, ...] = ()) -> ctypes.CD
     return lib
 
 
-@lru_cache(maxsize=1)
-def load_paged_decode() -> ctypes.CDLL | None:
-    """The compiled decode-attention library, or None when it cannot be built here."""
-    lib = _build("paged_decode", _FLAGS)
+@lru_cache(maxsize=2)
+def load_paged_decode(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled decode-attention library, or None when it cannot be built here.
+    `extra_flags` (tests): e.g. -DKV_NO_W512 builds the 256-bit form on an AVX-512 host."""
+    lib = _build("paged_decode", [*_FLAGS, *extra_flags])
     if lib is None:
         return None
     f = lib.paged_decode_f32

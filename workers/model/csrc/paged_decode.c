@@ -18,6 +18,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KV_AVX2 1
+#if defined(__AVX512F__) && !defined(KV_NO_W512)
+// the dot products and V sums 16 lanes wide where D is a multiple of 16 (same bits: below)
+#define KV_W512 1
+#endif
 #endif
 
 #define MAX_REP 32
@@ -91,7 +95,16 @@ static inline float kv_hsum(__m256 v) {
 }
 
 // A pre-scaled query row against a K row (C chunks of 8): two accumulators' lanes, summed.
+// At 16 lanes (C even) lanes 0-7 are the even chunks' accumulator and lanes 8-15 the odd
+// ones': the same operations in the same order, so the same bits.
 static inline __attribute__((always_inline)) __m256 kv_row_dot(const float *qr, const float *kj, const int64_t C) {
+#ifdef KV_W512
+    if (C % 2 == 0) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; c += 2) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 8 * c), _mm512_loadu_ps(kj + 8 * c), a);
+        return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    }
+#endif
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t c = 0;
     for (; c + 1 < C; c += 2) {
@@ -185,6 +198,25 @@ static inline __attribute__((always_inline)) float row_softmax(float *sr, float 
 static inline __attribute__((always_inline)) void row_v(const float *sr, float *accr, float corr, int64_t j,
                                                         int64_t je, const float *run, int64_t jb,
                                                         int64_t vstride, const int64_t C) {
+#ifdef KV_W512
+    if (C % 2 == 0) {  // elementwise: the same bits at 16 lanes
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t cg = 0; cg < C / 2; cg += 8) {
+            const int64_t cn = (C / 2 - cg) < 8 ? (C / 2 - cg) : 8;
+            __m512 a[8];
+            for (int64_t c = 0; c < cn; ++c) a[c] = _mm512_loadu_ps(accr + 16 * (cg + c));
+            if (corr != 1.f)
+                for (int64_t c = 0; c < cn; ++c) a[c] = _mm512_mul_ps(a[c], cv);
+            for (int64_t jj = j; jj < je; ++jj) {
+                const float *vj = run + (jj - jb) * vstride + 16 * cg;
+                const __m512 p = _mm512_set1_ps(sr[jj]);
+                for (int64_t c = 0; c < cn; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * c), a[c]);
+            }
+            for (int64_t c = 0; c < cn; ++c) _mm512_storeu_ps(accr + 16 * (cg + c), a[c]);
+        }
+        return;
+    }
+#endif
     const __m256 cv = _mm256_set1_ps(corr);
     for (int64_t cg = 0; cg < C; cg += 8) {
         const int64_t cn = (C - cg) < 8 ? (C - cg) : 8;

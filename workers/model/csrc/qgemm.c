@@ -16,7 +16,7 @@
 //    whole groups of 8: threads share rows out in whole groups, so only a row count that is
 //    no multiple of 8 has them) a weight block is unpacked once and meets each row's 32
 //    bytes in one vector, then 8 blocks' dots are reduced across lanes. From
-//    QG_BLOCKED_MIN rows the copy's path reads each pass through a block-major copy.
+//    QG_BLOCKED_MIN rows the copy's path reads each pass block-major (the quantizer's copy).
 //  - otherwise: groups of 8 activation rows interleaved 4 bytes at a time, so each lane of
 //    a vector is one row: a 4-weight slice is broadcast and meets 8 rows in one instruction
 //    (batches and prefill on weights without a copy). It reads 8x the activation bytes
@@ -81,7 +81,7 @@ static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == Q
 // The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
 // QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
-// activations (qg_act_blocked). QG_SPLIT_MIN: from this many rows a pass takes a block's
+// activations (the quantizer's bq). QG_SPLIT_MIN: from this many rows a pass takes a block's
 // integer dots for every row before their float steps (qg_rows_packed).
 enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16, QG_SPLIT_MIN = 4 };
 #define QG_PACKED_INTER_MIN INT64_MAX
@@ -164,17 +164,30 @@ static inline float qg_tree8(const float *p) {
 // Quantized activations. One buffer: q (int8), then four float arrays indexed by
 // qg_act_f(m, b): d (scale), s (d * sum of the block's q), s0 and s1 (d * sum of its first
 // and second 16). Interleaved: [group][block][8 rows]; row-major: [row][block].
+// Row-major from QG_BLOCKED_MIN rows, the quantizer also writes each pass of QG_SMALL_MAX
+// rows block by block (bq and its floats: [pass][block][row of the pass]), which the
+// repacked kernel reads: one block of every row is then one run of bytes. Row-major alone,
+// the rows lie K bytes apart, and where K is a multiple of 1024 (a 1024-4096 hidden size)
+// every row's block falls in the same few L1 sets: from 16-32 rows they evict each other
+// and the weights (block-major, the repacked kernel runs about 1.1x faster at 64-512 rows:
+// docs/benchmarks.md, "Block-major activations"). Written by the quantizer, the copy costs
+// no pass of its own (each thread used to copy every pass it read: 3% of a prompt's time).
 typedef struct {
     int64_t M, K, nb, G;  // rows, columns, 32-blocks per row, 8-row groups
     int inter;            // interleaved layout
-    int blocked;          // a pass's rows block by block (qg_act_blocked): [block][row]
+    int blocked;          // a pass's rows block by block (a view of bq): [block][row]
     int8_t *q;
     float *d, *s, *s0, *s1;
+    int8_t *bq;  // the block-major passes, or NULL
+    float *bd, *bs, *bs0, *bs1;
 } qg_act;
+
+static inline int64_t qg_act_pre_blocked(int64_t M) { return M >= QG_BLOCKED_MIN; }
 
 static int64_t qg_act_bytes(int64_t M, int64_t K) {
     const int64_t nb = K / QG_QK, G = (M + 7) / 8;
-    return G * 8 * K + 4 * (G * 8 * nb + 8) * (int64_t)sizeof(float) + 64;
+    const int64_t blocked = qg_act_pre_blocked(M) ? M * K + 4 * M * nb * (int64_t)sizeof(float) + 64 : 0;
+    return G * 8 * K + 4 * (G * 8 * nb + 8) * (int64_t)sizeof(float) + 64 + blocked;
 }
 
 static void qg_act_init(qg_act *a, void *buf, int64_t M, int64_t K, int64_t inter_min) {
@@ -194,6 +207,16 @@ static void qg_act_init(qg_act *a, void *buf, int64_t M, int64_t K, int64_t inte
     a->s1 = a->s0 + n;
     if (!a->inter)  // the row-major path reads whole vectors of 8 blocks: zeros past the end
         for (int i = 0; i < 8; ++i) a->d[M * a->nb + i] = a->s[M * a->nb + i] = a->s0[M * a->nb + i] = a->s1[M * a->nb + i] = 0.f;
+    a->bq = NULL;
+    a->bd = a->bs = a->bs0 = a->bs1 = NULL;
+    if (!a->inter && qg_act_pre_blocked(M)) {
+        p = ((uintptr_t)(a->s1 + n) + 63) & ~(uintptr_t)63;
+        a->bq = (int8_t *)p;
+        a->bd = (float *)(p + (uintptr_t)(M * K));
+        a->bs = a->bd + M * a->nb;
+        a->bs0 = a->bs + M * a->nb;
+        a->bs1 = a->bs0 + M * a->nb;
+    }
 }
 
 // where elements 4j..4j+3 of row m, block b start
@@ -210,14 +233,26 @@ static inline int64_t qg_act_f(const qg_act *a, int64_t m, int64_t b) {
 // group) stores zeros.
 static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64_t b) {
     const int64_t f = qg_act_f(a, m, b);
-    if (xb == NULL) {
+    if (xb == NULL) {  // (interleaved layouts only: no block-major copy)
         for (int j = 0; j < 8; ++j) memset(qg_act_at(a, m, b, j), 0, 4);
         a->d[f] = a->s[f] = a->s0[f] = a->s1[f] = 0.f;
         return;
     }
-    int8_t q[QG_QK];
+    int8_t q[QG_QK] __attribute__((aligned(32)));
     float amax = 0.f;
-#ifdef QG_AVX2
+    int s0 = 0, s1 = 0;
+#if defined(QG_W512)
+    // 16 lanes: the same products and roundings as the 8-lane form below
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    const __m512 idv = _mm512_set1_ps(id);
+    const __m512i w0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m512i w1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i qv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(w0)), _mm512_cvtsepi32_epi8(w1), 1);
+    s0 = _mm512_reduce_add_epi32(w0);
+    s1 = _mm512_reduce_add_epi32(w1);
+#elif defined(QG_AVX2)
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], mx = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
@@ -230,30 +265,55 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     amax = _mm_cvtss_f32(m4);
     const float id = amax != 0.f ? 127.f / amax : 0.f;
     const __m256 idv = _mm256_set1_ps(id);
-    for (int i = 0; i < 4; ++i) {
-        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i w = _mm256_cvtps_epi32(r);
-        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-        _mm_storel_epi64((__m128i *)(q + 8 * i), _mm_packs_epi16(w16, w16));
+    __m256i w[4];
+    for (int i = 0; i < 4; ++i)
+        w[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // packed in registers (a 32-byte read of smaller stores would wait for them to retire):
+    // the packs interleave the 128-bit lanes, the permutation restores element order
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+    const __m256i qv = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // the halves' sums (exact in any order)
+    for (int h = 0; h < 2; ++h) {
+        const __m256i t = _mm256_add_epi32(w[2 * h], w[2 * h + 1]);
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1)));
+        *(h ? &s1 : &s0) = _mm_cvtsi128_si32(u);
     }
 #else
     for (int i = 0; i < QG_QK; ++i) amax = fmaxf(amax, fabsf(xb[i]));
     const float id = amax != 0.f ? 127.f / amax : 0.f;
     for (int i = 0; i < QG_QK; ++i) q[i] = (int8_t)nearbyintf(xb[i] * id);
-#endif
-    const float d = amax / 127.f;
-    int s0 = 0, s1 = 0;
     for (int i = 0; i < 16; ++i) s0 += q[i];
     for (int i = 16; i < 32; ++i) s1 += q[i];
+#endif
+    const float d = amax / 127.f;
+#ifdef QG_AVX2
+#define QG_PUT32(dst) _mm256_storeu_si256((__m256i *)(dst), qv)
+    if (a->inter) _mm256_store_si256((__m256i *)q, qv);
+#else
+#define QG_PUT32(dst) memcpy((dst), q, QG_QK)
+#endif
     if (a->inter) {
         for (int j = 0; j < 8; ++j) memcpy(qg_act_at(a, m, b, j), q + 4 * j, 4);
     } else {
-        memcpy(qg_act_at(a, m, b, 0), q, QG_QK);
+        QG_PUT32(qg_act_at(a, m, b, 0));
     }
     a->d[f] = d;
     a->s[f] = d * (float)(s0 + s1);
     a->s0[f] = d * (float)s0;
     a->s1[f] = d * (float)s1;
+    if (a->bq && m < a->M) {  // its pass's block-major copy
+        const int64_t m0 = m / QG_SMALL_MAX * QG_SMALL_MAX;
+        const int64_t mp = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
+        const int64_t g = m0 * a->nb + b * mp + (m - m0);
+        QG_PUT32(a->bq + g * QG_QK);
+        a->bd[g] = a->d[f];
+        a->bs[g] = a->s[f];
+        a->bs0[g] = a->s0[f];
+        a->bs1[g] = a->s1[f];
+    }
+#undef QG_PUT32
 }
 
 // Quantize rows [m0, m1) of x (row stride ldx); rows past M in the last group are zeros.
@@ -989,51 +1049,22 @@ static inline __m512i qg_bit_to4_512(__m512i v, int g) {
 #include "qgemm_packed.h"
 #endif
 
-// A row-major pass's activations copied block by block into this thread's buffer (grown,
-// kept for the thread's life): one block of every row is then one run of bytes. Row-major,
-// the rows lie K bytes apart, and where K is a multiple of 1024 (a 1024-4096 hidden size)
-// every row's block falls in the same few L1 sets: from 16-32 rows they evict each other
-// and the weights. Copied, the repacked kernel runs about 1.1x faster at 64-512 rows
-// (docs/benchmarks.md, "Block-major activations"); the bits are the same. 0, or -1 (no
-// memory: the caller keeps a).
-static int qg_act_blocked(const qg_act *a, qg_act *v) {
-    static __thread uint8_t *buf;
-    static __thread size_t cap;
-    const int64_t n = a->M * a->nb;
-    const size_t need = (size_t)(n * QG_QK + 4 * n * (int64_t)sizeof(float));
-    if (need > cap) {
-        free(buf);
-        cap = 0;
-        buf = aligned_alloc(64, (need + 63) / 64 * 64);
-        if (buf == NULL) return -1;
-        cap = need;
-    }
-    *v = *a;
-    v->blocked = 1;
-    v->q = (int8_t *)buf;
-    v->d = (float *)(buf + n * QG_QK);
-    v->s = v->d + n;
-    v->s0 = v->s + n;
-    v->s1 = v->s0 + n;
-    for (int64_t m = 0; m < a->M; ++m)
-        for (int64_t b = 0; b < a->nb; ++b) {
-            const int64_t f = m * a->nb + b, g = b * a->M + m;
-            memcpy(v->q + g * QG_QK, a->q + f * QG_QK, QG_QK);
-            v->d[g] = a->d[f];
-            v->s[g] = a->s[f];
-            v->s0[g] = a->s0[f];
-            v->s1[g] = a->s1[f];
-        }
-    return 0;
-}
-
 // Groups g0..g1-1 of 8 weight rows from the repacked copy.
 static inline __attribute__((always_inline)) void qg_groups_packed(const int qtype, const uint8_t *wp,
                                                                    int64_t g0, int64_t g1, int64_t row_bytes,
                                                                    const qg_act *a, float *out, int64_t ldo) {
     const int64_t pk_bytes = qg_pk_row_bytes(qtype, a->K, row_bytes);
     qg_act v;
-    if (a->M >= QG_BLOCKED_MIN && !qg_act_blocked(a, &v)) a = &v;
+    if (a->bq) {  // the quantizer's block-major copy of this pass
+        v = *a;
+        v.blocked = 1;
+        v.q = a->bq;
+        v.d = a->bd;
+        v.s = a->bs;
+        v.s0 = a->bs0;
+        v.s1 = a->bs1;
+        a = &v;
+    }
     for (int64_t g = g0; g < g1; ++g) {
         const uint8_t *pp = wp + (g - g % QG_PAIR) * 8 * pk_bytes;  // its pair's bytes
         const int h = (int)(g % QG_PAIR);
@@ -1103,6 +1134,13 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
             v.s = a->s + f;
             v.s0 = a->s0 + f;
             v.s1 = a->s1 + f;
+            if (a->bq) {  // passes before this one are whole: it starts m0 rows in
+                v.bq = a->bq + m0 * a->K;
+                v.bd = a->bd + f;
+                v.bs = a->bs + f;
+                v.bs0 = a->bs0 + f;
+                v.bs1 = a->bs1 + f;
+            }
             qg_rows(qtype, w, wp, n0, n1, row_bytes, &v, out + m0 * ldo, ldo);
         }
         return;
