@@ -233,6 +233,45 @@ static inline __attribute__((always_inline)) void row_v(const float *sr, float *
     }
 }
 
+#ifdef KV_W512
+// row_v for two rows over the same keys (C even, D < 128): each row's operations as
+// row_v's, so its bits; the two rows' sums are independent chains, where one row's few
+// accumulators (4 at D = 64) leave the FMA units waiting on each key's previous sum, and
+// each V row is loaded once for both (prompt tiles at D = 64: 1.07x; at D = 128 a row has
+// 8 chains of its own and pairs ran no faster).
+static inline __attribute__((always_inline)) void row_v2(const float *sr0, const float *sr1, float *acc0,
+                                                         float *acc1, float corr0, float corr1, int64_t j,
+                                                         int64_t je, const float *run, int64_t jb,
+                                                         int64_t vstride, const int64_t C) {
+    const __m512 cv0 = _mm512_set1_ps(corr0), cv1 = _mm512_set1_ps(corr1);
+    for (int64_t cg = 0; cg < C / 2; cg += 8) {
+        const int64_t cn = (C / 2 - cg) < 8 ? (C / 2 - cg) : 8;
+        __m512 a[8], b[8];
+        for (int64_t c = 0; c < cn; ++c) {
+            a[c] = _mm512_loadu_ps(acc0 + 16 * (cg + c));
+            b[c] = _mm512_loadu_ps(acc1 + 16 * (cg + c));
+        }
+        if (corr0 != 1.f)
+            for (int64_t c = 0; c < cn; ++c) a[c] = _mm512_mul_ps(a[c], cv0);
+        if (corr1 != 1.f)
+            for (int64_t c = 0; c < cn; ++c) b[c] = _mm512_mul_ps(b[c], cv1);
+        for (int64_t jj = j; jj < je; ++jj) {
+            const float *vj = run + (jj - jb) * vstride + 16 * cg;
+            const __m512 p0 = _mm512_set1_ps(sr0[jj]), p1 = _mm512_set1_ps(sr1[jj]);
+            for (int64_t c = 0; c < cn; ++c) {
+                const __m512 vv = _mm512_loadu_ps(vj + 16 * c);
+                a[c] = _mm512_fmadd_ps(p0, vv, a[c]);
+                b[c] = _mm512_fmadd_ps(p1, vv, b[c]);
+            }
+        }
+        for (int64_t c = 0; c < cn; ++c) {
+            _mm512_storeu_ps(acc0 + 16 * (cg + c), a[c]);
+            _mm512_storeu_ps(acc1 + 16 * (cg + c), b[c]);
+        }
+    }
+}
+#endif
+
 // R query rows (pre-scaled at qs, sums at acc, rows D apart) against one span at key t0:
 // row r sees its keys j0 .. nr[r]-1, whose K and V rows lie in runs of `run` rows (run i
 // at kb[i] and vb[i], rows `stride` floats apart). Scores, then each row's softmax step,
@@ -258,10 +297,19 @@ static inline __attribute__((always_inline)) void span_rows(float (*s)[MAX_BS + 
         corr[r] = row_softmax(s[r], m + r, l + r, nr[r]);
     }
     for (int64_t jb = jr; jb < n; jb += run)
-        for (int64_t r = 0; r < R; ++r)
-            if (jb < nr[r])
-                row_v(s[r], acc + r * D, jb == jr ? corr[r] : 1.f, j0 > jb ? j0 : jb,
-                      (nr[r] - jb) < run ? nr[r] : jb + run, vb[jb / run], jb, stride, C);
+        for (int64_t r = 0; r < R; ++r) {
+            if (jb >= nr[r]) continue;
+            const int64_t js = j0 > jb ? j0 : jb, je = (nr[r] - jb) < run ? nr[r] : jb + run;
+#ifdef KV_W512
+            if (C % 2 == 0 && C < 16 && r + 1 < R && nr[r + 1] == nr[r]) {  // a pair over the same keys
+                row_v2(s[r], s[r + 1], acc + r * D, acc + (r + 1) * D, jb == jr ? corr[r] : 1.f,
+                       jb == jr ? corr[r + 1] : 1.f, js, je, vb[jb / run], jb, stride, C);
+                ++r;
+                continue;
+            }
+#endif
+            row_v(s[r], acc + r * D, jb == jr ? corr[r] : 1.f, js, je, vb[jb / run], jb, stride, C);
+        }
 }
 
 // The next block is usually elsewhere in the pool: start its DRAM reads now.
