@@ -26,6 +26,7 @@ from kvserve.deploy.serve_stop import (
     StopSignals,
     become_subreaper,
     end_own_processes,
+    free_port,
     stop_service,
 )
 from kvserve.deploy.startup_states import StartupStates
@@ -234,7 +235,7 @@ def serve_forever(cfg: ServeConfig, ray_host: str = LOOPBACK,
     print(f"kvserve: starting {'(joining the running Ray)' if joining else 'Ray'} ...",
           flush=True)
     ray_init = {} if joining else {"include_dashboard": True, "dashboard_port": dashboard_port
-                                   or _free_port(), "_metrics_export_port": metrics_port or None}
+                                   or free_port(), "_metrics_export_port": metrics_port or None}
     shown: StartupStates | None = None
     try:
         with signals.interrupting():
@@ -491,14 +492,6 @@ def _check_free(ports: dict[str, int]) -> None:
         if port and port_in_use(port):
             raise SystemExit(f"kvserve: port {port} ({flag}) is in use; pick another with "
                              f"{flag} (0: any free port)")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def add_serve_parser(sub: Any) -> None:

@@ -152,6 +152,46 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+# free_port's choices lie outside the kernel's ephemeral range, where the kernel picks the
+# ports of outgoing connections and of servers that bind port 0 (Ray's processes, while a
+# service starts): a port seen free there can be taken before the service binds it. They
+# also stay above Ray's default worker ports (10002-19999).
+_PORTS_FROM = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port() -> int:
+    """A port no server holds, outside the ephemeral range (and not handed out before by
+    this process); an ephemeral one where that range leaves none."""
+    import random
+
+    lo, hi = _ephemeral_ports()
+    spans = [(a, b) for a, b in ((_PORTS_FROM, lo - 1), (max(hi + 1, _PORTS_FROM), 65535)) if a <= b]
+    total = sum(b - a + 1 for a, b in spans)
+    for _ in range(200 if total else 0):
+        i = random.randrange(total)
+        for a, b in spans:
+            if i <= b - a:
+                port = a + i
+                break
+            i -= b - a + 1
+        if port not in _handed_out and not port_in_use(port):
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class OwnRay:
     """The Ray processes this command started (none when it joined a running Ray)."""
 

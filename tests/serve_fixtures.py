@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -47,9 +46,12 @@ def ray_started(start: Callable[[], T], tries: int = 5) -> T:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a service a test starts, outside the ephemeral range: a port found
+    free there (binding port 0) could be taken by Ray's own processes before the service
+    bound it (a gRPC proxy once failed to bind so)."""
+    from kvserve.deploy.serve_stop import free_port as pick
+
+    return pick()
 
 
 @dataclass

@@ -9,7 +9,6 @@ run only by the serving path.
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -18,9 +17,11 @@ from typing import Any
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range (Ray's processes take ports there as the
+    service starts)."""
+    from kvserve.deploy.serve_stop import free_port
+
+    return free_port()
 
 
 class BenchService:
