@@ -451,3 +451,26 @@ def test_lora_engine_decodes_op_by_op(lib, smol) -> None:
     ref = _decode(_runner(smol, True), prompts, 2)
     for g, w in zip(got, ref, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu_tanh"])
+def test_mlp_activation_gives_the_same_bits_at_every_width(lib, act: int) -> None:
+    """The MLP's activation (the step's and the op-by-op forward's, `ds_act_rows`) runs 16
+    lanes wide on AVX-512 hosts, 8 on AVX2 ones, the rest of a row one by one: the 256-bit
+    build gives the same bits (on an AVX2 host both builds are that one), over widths that
+    end in each part, signed zeros and gates far past exp's range; and the values are torch's."""
+    narrow = require_kernel("decode_step", load_decode_step(("-DKV_NO_W512", "-DQG_NO_W512")))
+    g = torch.Generator().manual_seed(act)
+    for n in (16, 24, 91):
+        gu = torch.randn(5, 2 * n, generator=g) * 6
+        gu[0, :8] = torch.tensor([0.0, -0.0, -100.0, 100.0, -87.0, -88.0, 1e-30, -1e-30])
+        outs = []
+        for b in (lib, narrow):
+            out = torch.full((5, n), float("nan"))
+            b.ds_act_rows(gu.data_ptr(), 5, n, gu.stride(0), out.data_ptr(), act, 2)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), n
+        gate, up = gu[:, :n], gu[:, n:]
+        f = torch.nn.functional
+        want = (f.silu(gate) if act == 0 else f.gelu(gate, approximate="tanh")) * up
+        torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)

@@ -94,16 +94,45 @@ static void ds_rope(float *p, const float *cos, const float *sin, int64_t pos, i
 // out[j] = act(gate[j]) * up[j]
 static void ds_act(float *out, const float *gate, const float *up, int64_t n, int64_t act) {
     int64_t j = 0;
+#ifdef KV_W512
+    {  // 16 lanes, each lane's operations those of the 8-lane loop below: the same bits
+        // (AVX512F alone: bitwise float operations through the integer forms)
+#define DS_OR16(a, b) _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+#define DS_AND16(a, b) _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+        const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+        for (; j + 16 <= n; j += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + j);
+            __m512 y;
+            if (act == 0) {
+                const __m512 e = exp_neg16(DS_OR16(g, sign));
+                const __mmask16 neg = _mm512_cmplt_epi32_mask(_mm512_castps_si512(g), _mm512_setzero_si512());
+                const __m512 num = _mm512_mask_blend_ps(neg, one, e);
+                y = _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+            } else {
+                const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                               _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g),
+                                                               _mm512_mul_ps(g, g), g));
+                const __m512 e = exp_neg16(_mm512_mul_ps(_mm512_set1_ps(2.f), DS_OR16(u, sign)));
+                __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+                t = DS_OR16(t, DS_AND16(u, sign));
+                y = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
+            }
+            _mm512_storeu_ps(out + j, _mm512_mul_ps(y, _mm512_loadu_ps(up + j)));
+        }
+#undef DS_OR16
+#undef DS_AND16
+    }
+#endif
 #ifdef KV_AVX2
     const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
     for (; j + 8 <= n; j += 8) {
         const __m256 g = _mm256_loadu_ps(gate + j);
         __m256 y;
-        if (act == 0) {  // g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1
+        if (act == 0) {  // g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for
+            // g >= 0, e / (1 + e) below (one division, the numerator picked by g's sign)
             const __m256 e = exp_neg(_mm256_or_ps(g, sign));
-            const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
-            const __m256 neg = _mm256_div_ps(e, _mm256_add_ps(one, e));
-            y = _mm256_mul_ps(g, _mm256_blendv_ps(pos, neg, g));
+            const __m256 num = _mm256_blendv_ps(one, e, g);
+            y = _mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(one, e)));
         } else {  // 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh from exp(-2|u|)
             const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                            _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g),
