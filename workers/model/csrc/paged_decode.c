@@ -6,8 +6,9 @@
 // read); a soft-cap (Gemma 2) passes the scores through cap * tanh(s / cap).
 //
 // With AVX2+FMA (and D a multiple of 8) the scores, the softmax exponentials and
-// the V accumulation run 8 lanes wide; the exponential is a polynomial, since a
-// libm expf per score costs more than reading the score's K row from DRAM. The
+// the V accumulation run 8 lanes wide (the dots and V sums 16 on AVX-512, with the
+// same bits); the exponential is a polynomial, since a libm expf per score costs
+// more than reading the score's K row from DRAM. The
 // online softmax steps over spans of whole blocks (64 keys at D = 64, 32 at 128),
 // so its per-step work (max, correction, rescaling) is paid once per span, and a
 // prompt chunk's rows attend in tiles that copy each span's K/V rows together once.
@@ -88,7 +89,8 @@ static inline __m256 exp_neg(__m256 x) {
 }
 
 #ifdef KV_W512
-// exp_neg at 16 lanes: each lane's operations are exp_neg's, so its bits.
+// exp_neg at 16 lanes (the decode step's MLP activation, decode_step.c): each lane's
+// operations are exp_neg's, so its bits.
 static inline __m512 exp_neg16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.3f);
     const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);  // also -inf
