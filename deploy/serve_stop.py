@@ -175,15 +175,9 @@ def free_port() -> int:
     import random
 
     lo, hi = _ephemeral_ports()
-    spans = [(a, b) for a, b in ((_PORTS_FROM, lo - 1), (max(hi + 1, _PORTS_FROM), 65535)) if a <= b]
-    total = sum(b - a + 1 for a, b in spans)
-    for _ in range(200 if total else 0):
-        i = random.randrange(total)
-        for a, b in spans:
-            if i <= b - a:
-                port = a + i
-                break
-            i -= b - a + 1
+    spans = [r for r in (range(_PORTS_FROM, lo), range(max(hi + 1, _PORTS_FROM), 65536)) if r]
+    for _ in range(200 if spans else 0):
+        port = random.choice(random.choices(spans, weights=[len(r) for r in spans])[0])
         if port not in _handed_out and not port_in_use(port):
             _handed_out.add(port)
             return port

@@ -12,6 +12,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+# (re-exported for the tests: ports outside the range Ray's start takes ports from)
+from kvserve.deploy.serve_stop import free_port  # noqa: F401
+
 T = TypeVar("T")
 
 API_KEY = "test-key"
@@ -43,15 +46,6 @@ def ray_started(start: Callable[[], T], tries: int = 5) -> T:
                 p.kill()
         psutil.wait_procs(left, timeout=30)
     raise AssertionError("unreachable")
-
-
-def free_port() -> int:
-    """A free port for a service a test starts, outside the ephemeral range: a port found
-    free there (binding port 0) could be taken by Ray's own processes before the service
-    bound it (a gRPC proxy once failed to bind so)."""
-    from kvserve.deploy.serve_stop import free_port as pick
-
-    return pick()
 
 
 @dataclass

@@ -16,14 +16,6 @@ from contextlib import contextmanager
 from typing import Any
 
 
-def _free_port() -> int:
-    """A free port outside the ephemeral range (Ray's processes take ports there as the
-    service starts)."""
-    from kvserve.deploy.serve_stop import free_port
-
-    return free_port()
-
-
 class BenchService:
     def __init__(
         self, grpc_port: int, http_port: int, api_key: str | None, config: Any = None
@@ -121,12 +113,13 @@ def start_service(
 
     from kvserve.deploy.config import ServeConfig
     from kvserve.deploy.serve_cli import deploy, shutdown
+    from kvserve.deploy.serve_stop import free_port  # outside the ports Ray's start takes
 
     if ray.is_initialized():
         raise RuntimeError("bench serve starts its own Ray; pass --host to use a running service")
     settings = engine.model_dump(exclude={"model"}, exclude_defaults=True)
     cfg = ServeConfig(model=engine.model, engine=settings,
-                      grpc_port=_free_port(), http_port=_free_port(),
+                      grpc_port=free_port(), http_port=free_port(),
                       api_keys=[api_key] if api_key else [],
                       stream_interval_ms=stream_interval_ms, num_workers=num_workers,
                       num_gpus_per_worker=num_gpus_per_worker,

@@ -66,9 +66,9 @@ def cmd_soak(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvserve bench soak: {e}", file=sys.stderr)
         return 2
-    from kvserve.bench.serve_service import _free_port
     from kvserve.deploy.config import ServeConfig
     from kvserve.deploy.serve_cli import deploy, shutdown
+    from kvserve.deploy.serve_stop import free_port
 
     key = "soak-key"
     engine = {"kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
@@ -76,7 +76,7 @@ def cmd_soak(a: argparse.Namespace) -> int:
     if a.host_cache_gib is not None:
         engine["host_cache_gib"] = a.host_cache_gib
     cfg = ServeConfig(num_workers=a.workers, engine=engine, api_keys=[key],
-                      grpc_port=_free_port(), http_port=_free_port())
+                      grpc_port=free_port(), http_port=free_port())
     print(f"soak: starting the service ({a.workers} workers, KV {a.kv_cache_tokens} tokens "
           "each) ...", file=sys.stderr, flush=True)
     try:

@@ -207,9 +207,9 @@ def test_cli_rejects_bad_arguments(capsys):
 
 @pytest.mark.parametrize("target", ["grpc", "http"])
 def test_unreachable_server_is_a_clear_error(target, capsys):
-    from kvserve.bench.serve_service import _free_port
+    from kvserve.deploy.serve_stop import free_port
 
-    rc = _bench_cli(["--target", target, "--port", str(_free_port()), "--num-prompts", "2",
+    rc = _bench_cli(["--target", target, "--port", str(free_port()), "--num-prompts", "2",
                      "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1 and f"kvserve bench serve: {target}: cannot start:" in err

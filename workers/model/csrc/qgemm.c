@@ -268,8 +268,8 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     __m256i w[4];
     for (int i = 0; i < 4; ++i)
         w[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    // packed in registers (a 32-byte read of smaller stores would wait for them to retire):
-    // the packs interleave the 128-bit lanes, the permutation restores element order
+    // packed in registers: the packs interleave the 128-bit lanes, the permutation restores
+    // element order
     const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
     const __m256i qv = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     // the halves' sums (exact in any order)
@@ -287,33 +287,31 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     for (int i = 0; i < 16; ++i) s0 += q[i];
     for (int i = 16; i < 32; ++i) s1 += q[i];
 #endif
-    const float d = amax / 127.f;
 #ifdef QG_AVX2
-#define QG_PUT32(dst) _mm256_storeu_si256((__m256i *)(dst), qv)
-    if (a->inter) _mm256_store_si256((__m256i *)q, qv);
-#else
-#define QG_PUT32(dst) memcpy((dst), q, QG_QK)
+    // one 32-byte store, which the 32-byte copies below read whole (a read spanning several
+    // smaller stores would wait for them to retire)
+    _mm256_store_si256((__m256i *)q, qv);
 #endif
+    const float d = amax / 127.f, ds = d * (float)(s0 + s1), ds0 = d * (float)s0, ds1 = d * (float)s1;
     if (a->inter) {
         for (int j = 0; j < 8; ++j) memcpy(qg_act_at(a, m, b, j), q + 4 * j, 4);
     } else {
-        QG_PUT32(qg_act_at(a, m, b, 0));
+        memcpy(qg_act_at(a, m, b, 0), q, QG_QK);
     }
     a->d[f] = d;
-    a->s[f] = d * (float)(s0 + s1);
-    a->s0[f] = d * (float)s0;
-    a->s1[f] = d * (float)s1;
+    a->s[f] = ds;
+    a->s0[f] = ds0;
+    a->s1[f] = ds1;
     if (a->bq && m < a->M) {  // its pass's block-major copy
         const int64_t m0 = m / QG_SMALL_MAX * QG_SMALL_MAX;
         const int64_t mp = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
         const int64_t g = m0 * a->nb + b * mp + (m - m0);
-        QG_PUT32(a->bq + g * QG_QK);
-        a->bd[g] = a->d[f];
-        a->bs[g] = a->s[f];
-        a->bs0[g] = a->s0[f];
-        a->bs1[g] = a->s1[f];
+        memcpy(a->bq + g * QG_QK, q, QG_QK);
+        a->bd[g] = d;
+        a->bs[g] = ds;
+        a->bs0[g] = ds0;
+        a->bs1[g] = ds1;
     }
-#undef QG_PUT32
 }
 
 // Quantize rows [m0, m1) of x (row stride ldx); rows past M in the last group are zeros.
