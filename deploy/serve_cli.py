@@ -597,6 +597,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="torch CPU threads per worker (default on CPU: cores / workers)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="weights and KV (default auto: bfloat16 on GPU workers, float32 on CPU)")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   default=None, help="the KV cache's dtype (default auto: the model's); float16 "
+                                      "on CPU workers halves the bytes decode attention reads")
     e.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
                    help="CPU workers on GGUF blocks: 8-bit activations with integer dot products "
                         "(int8, llama.cpp's scheme; the default) or float32 ones (exact)")
@@ -630,7 +633,8 @@ def config_from_args(a: Any) -> ServeConfig:
     engine = {k: v for k, v in {
         "kv_cache_tokens": a.kv_cache_tokens, "max_model_len": a.max_model_len,
         "max_num_seqs": a.max_num_seqs, "num_threads": a.threads,
-        "dtype": a.dtype, "cpu_matmul": a.cpu_matmul, "block_size": a.block_size,
+        "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "cpu_matmul": a.cpu_matmul,
+        "block_size": a.block_size,
         "host_cache_gib": a.host_cache_gib, "host_restore_policy": a.host_restore_policy}.items() if v is not None}
     gpus = a.gpus_per_worker
     role_gpus = {"prefill": a.prefill_gpus_per_worker, "decode": a.decode_gpus_per_worker}

@@ -42,8 +42,11 @@ class DeviceKVCache:
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V ([T, H, D]) at flat slot indices ([T])."""
+        """Store new tokens' K/V ([T, H, D]) at flat slot indices ([T]), in the cache's
+        dtype (a float16 cache under a float32 model rounds them to nearest even)."""
         kc, vc = self.layer(layer)
+        if k.dtype != kc.dtype:
+            k, v = k.to(kc.dtype), v.to(kc.dtype)
         kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
 

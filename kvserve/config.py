@@ -23,6 +23,12 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA"
     )
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="KV cache dtype; auto = float16 where the CPU runs GGUF blocks with "
+                            "8-bit activations (cpu_matmul int8) and dtype is auto, as llama.cpp "
+                            "keeps K/V (half the bytes decode attention reads), else the model's "
+                            "dtype; on CUDA only the model's dtype"
+    )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     attention_backend: Literal["auto", "torch", "triton", "flash"] = "auto"
     max_model_len: int | None = Field(
@@ -192,3 +198,16 @@ class EngineConfig(BaseModel):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+    def resolved_kv_cache_dtype(self, int8_cpu: bool = False) -> str:
+        """The KV cache's dtype. `int8_cpu`: the model runs GGUF blocks with 8-bit activations
+        on the CPU, whose attention kernel reads a float16 cache (auto picks it there unless
+        dtype is pinned: dtype names the KV's too). On CUDA the kernels read the model's."""
+        kv = self.kv_cache_dtype
+        if kv == "auto":
+            kv = "float16" if int8_cpu and self.dtype == "auto" else self.resolved_dtype()
+        if kv != self.resolved_dtype() and self.resolved_device().startswith("cuda"):
+            raise ValueError(f"kv_cache_dtype {kv!r} differs from the model's dtype "
+                             f"({self.resolved_dtype()}): on CUDA the KV cache holds the model's "
+                             "dtype (set dtype instead)")
+        return kv

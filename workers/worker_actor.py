@@ -402,7 +402,7 @@ class WorkerActor(StreamMoves, TokenBatches):
             "role": self.role,
             # what another worker's KV must match to be exchanged with this one's
             "kv": {"model": model_geometry(eng),
-                   "dtype": str(eng.runner.dtype).removeprefix("torch."),
+                   "dtype": str(eng.runner.kv_dtype).removeprefix("torch."),
                    "block_size": eng.kv.block_size},
         }
 

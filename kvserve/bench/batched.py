@@ -42,6 +42,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantized-decode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the KV cache's dtype (auto: the model's; llama.cpp's default is float16)")
     p.add_argument("--cpu-matmul", choices=["int8", "exact"], default="int8",
                    help="CPU quantized-block matmuls: 8-bit activations (int8, the engine's "
                    "default) or float32 ones (exact)")
@@ -125,6 +127,7 @@ def cmd_batched(a: argparse.Namespace) -> int:
                        block_size=a.block_size, enable_prefix_caching=False,
                        max_num_batched_tokens=a.max_num_batched_tokens,
                        quantized_decode=a.quantized_decode, cpu_matmul=a.cpu_matmul,
+                       kv_cache_dtype=a.kv_cache_dtype,
                        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
                        host_cache_gib=0)
     path = resolve_model(a.model)

@@ -90,5 +90,5 @@ def decode_roofline(weights: int, kv_per_token: int, batch: int, mean_context: f
 
 def roofline_for(runner: Any, gbps: float, batch: int, mean_context: float) -> float:
     cfg = runner.model_config
-    kvpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype)
+    kvpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.kv_dtype)
     return decode_roofline(weight_bytes(runner.model), kvpt, batch, mean_context, gbps)

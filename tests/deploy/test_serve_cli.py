@@ -377,3 +377,24 @@ def test_cpu_matmul_flag_reaches_the_workers_engine():
     assert exact.router_config().worker_engine(8)["cpu_matmul"] == "exact"
     with pytest.raises(SystemExit):
         parse(["serve", "--cpu-matmul", "fp8"])
+
+
+def test_kv_cache_dtype_flag_reaches_the_workers_engine():
+    from kvserve.cli import build_parser
+    from kvserve.config import EngineConfig
+    from kvserve.deploy.serve_cli import config_from_args
+
+    parse = build_parser().parse_args
+    half = config_from_args(parse(["serve", "--kv-cache-dtype", "float16"]))
+    assert half.router_config().worker_engine(8)["kv_cache_dtype"] == "float16"
+    assert "kv_cache_dtype" not in config_from_args(parse(["serve"])).engine  # auto: the model's
+    with pytest.raises(SystemExit):
+        parse(["serve", "--kv-cache-dtype", "fp8"])
+    # auto follows the model's dtype; on CUDA the cache must hold it
+    assert EngineConfig(device="cpu").resolved_kv_cache_dtype() == "float32"
+    assert EngineConfig(device="cpu", dtype="bfloat16").resolved_kv_cache_dtype() == "bfloat16"
+    assert EngineConfig(device="cpu", kv_cache_dtype="float16").resolved_kv_cache_dtype() == "float16"
+    assert EngineConfig(device="cuda", dtype="float16",
+                        kv_cache_dtype="float16").resolved_kv_cache_dtype() == "float16"
+    with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype"):
+        EngineConfig(device="cuda", kv_cache_dtype="float16").resolved_kv_cache_dtype()

@@ -71,9 +71,15 @@ def test_grpc_stream_moved_mid_generation(serve_app, stub):
         time.sleep(0.1)
         after = serve_app.server_info()["workers"]
     assert all(w["inflight"] == 0 for w in after)
-    # GetServerInfo shows the move in the target's stats
-    info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md)
-    w = {x.worker_id: x for x in info.workers}[target]
+    # GetServerInfo shows the move in the target's stats: the router's own counters at once,
+    # the engine's from the worker's next load poll (once a second), which may not have come yet
+    deadline = time.monotonic() + 10
+    while True:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md)
+        w = {x.worker_id: x for x in info.workers}[target]
+        if w.stats["migration_moved_in"] >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert w.stats["migration_streams_in"] >= 1 and w.stats["migration_bytes_in"] > 0
     assert w.stats["migration_moved_in"] >= 1 and w.stats["draining"] == 0
 

@@ -474,3 +474,46 @@ def test_mlp_activation_gives_the_same_bits_at_every_width(lib, act: int) -> Non
         f = torch.nn.functional
         want = (f.silu(gate) if act == 0 else f.gelu(gate, approximate="tanh")) * up
         torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_steps_float16_cache_writes_round_as_torch(lib) -> None:
+    """The one-call step writes K/V into a float16 cache rounded to nearest even, as the
+    op-by-op forward's torch writes round: F16C and the portable build's scalar code alike,
+    over ties, subnormals, values past float16's range, infinities and NaN."""
+    portable = require_kernel("decode_step", load_decode_step(("-mno-avx2",)))
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4000, generator=g) * s for s in (1e-6, 1e-3, 1.0, 300.0, 3e4)])
+    edge = [0.0, -0.0, 65504.0, 65519.0, 65520.0, -70000.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26,
+            6.1e-5, 1 + 2.0**-11, 1 + 3 * 2.0**-11, float("inf"), -float("inf")]
+    x = torch.cat([x, torch.tensor(edge), torch.zeros(2)])  # a multiple of 8
+    want = x.half().view(torch.int16)
+    for build in (lib, portable):
+        out = torch.zeros(len(x), dtype=torch.int16)
+        build.ds_kv_half(x.data_ptr(), len(x), out.data_ptr())
+        assert torch.equal(out, want)
+    nan = torch.full((8,), float("nan"))
+    for build in (lib, portable):
+        out = torch.zeros(8, dtype=torch.float16)
+        build.ds_kv_half(nan.data_ptr(), 8, out.data_ptr())
+        assert out.isnan().all()
+
+
+@pytest.mark.parametrize("arch", ["default", "gemma2", "mistral"])
+def test_float16_cache_step_is_op_by_op_bit_for_bit(lib, smol, family_models, arch: str) -> None:
+    """With a float16 KV cache (kv_cache_dtype) the one-call step gives the op-by-op
+    forward's bits in both matmul modes, past the windows and with soft-caps; and with float32
+    activations its logits stay near the float32 cache's (float16's rounding, 2^-11)."""
+    loaded = smol if arch == "default" else load_model(family_models[arch])
+    prompts = _prompts(3, torch.Generator().manual_seed(12))
+    steps = 20
+    got = {}
+    for mode in ("exact", "int8"):
+        fused = _runner(loaded, True, cpu_matmul=mode, kv_cache_dtype="float16")
+        assert fused.cache.kv.dtype == torch.float16 and fused.runtime["kv_cache_dtype"] == "float16"
+        got[mode] = _decode(fused, prompts, steps)
+        want = _decode(_runner(loaded, False, cpu_matmul=mode, kv_cache_dtype="float16"), prompts, steps)
+        for g, w in zip(got[mode], want, strict=True):
+            assert torch.equal(g, w), mode
+    ref = _decode(_runner(loaded, True, cpu_matmul="exact"), prompts, steps)
+    for g, r in zip(got["exact"], ref, strict=True):
+        assert ((g - r).norm(dim=-1) <= 0.005 * r.norm(dim=-1) + 1e-3).all()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+import torch
 from engine_runs import run_to_end
 from tiny_models import tiny_model_path
 
@@ -219,3 +220,47 @@ def test_follow_up_turn_is_served_from_host(smol_path, ref):
     s = eng.stats()
     assert s["host_prefix_hit_tokens"] >= 100  # the first turn's full blocks, by copy
     assert_clean(eng)
+
+
+def test_a_float16_cache_parks_restores_and_moves(smol_path):
+    """A float16 KV cache (kv_cache_dtype): its host tier holds float16 blocks, evicted
+    streams come back by copy with the tokens they would have had never evicted, and a
+    snapshot carries float16 KV to another float16 engine (by copy) or to a float32 one."""
+    ps = [p[: 9 + 6 * i] for i, p in enumerate(prompts(6, 40, seed=11))]
+    ref16 = LLM(smol_path, kv_cache_tokens=4096, block_size=BS, host_cache_gib=0,
+                kv_cache_dtype="float16")
+    assert ref16.engine.runner.cache.kv.dtype == torch.float16
+    want = [o.token_ids for o in ref16.generate(ps, greedy(20))]
+    eng = engine(smol_path, 18 * BS, 0.001, admission_lookahead_tokens=0, kv_cache_dtype="float16")
+    assert eng.kv.host is not None and eng.kv.host.kv.dtype == torch.float16
+    ids = [eng.add_request(p, greedy(20)) for p in ps]
+    got = run_all(eng)
+    assert [got[i] for i in ids] == want
+    s = eng.stats()
+    assert s["evictions"] > 0 and s["tokens_restored_copy"] > 0
+    assert_clean(eng)
+
+    p = prompts(1, 37, seed=5)[0]
+    want = ref16.generate(p, greedy(30))[0].token_ids
+    for dst_kv in ("float16", "float32"):
+        src = engine(smol_path, 1024, 0.001, kv_cache_dtype="float16")
+        rid = src.add_request(p, greedy(30), request_id="moving")
+        seen: list[int] = []
+        while len(seen) < 11:
+            for o in src.step():
+                seen.extend(o.delta_token_ids)
+        data = src.export_stream(rid)
+        record = msgpack.unpackb(data, raw=False)
+        assert record["kv"]["dtype"] == "float16" and record["kv"]["tokens"] == 37 + len(seen) - 1
+        dst = engine(smol_path, 512, 0.001, kv_cache_dtype=dst_kv)
+        assert dst.import_stream(data) == rid
+        out = None
+        while dst.has_unfinished():
+            for o in dst.step():
+                out = o
+        assert out is not None and out.finish_reason == "length"
+        assert dst.stats()["tokens_restored_copy"] == record["kv"]["tokens"]
+        if dst_kv == "float16":  # the same KV bits, so the same tokens
+            assert out.token_ids == want
+        assert_clean(src)
+        assert_clean(dst)

@@ -122,3 +122,56 @@ def test_the_256_bit_build_gives_the_same_bits(hq, hkv, d) -> None:
         assert torch.equal(out, _run(narrow, q, k, v, tables, lens, bs, scale, window, cap))
         want = _reference(q, k, v, tables, lens, bs, scale, window, cap)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def _run16(lib, q, k, v, tables, lens, bs, scale, window, cap) -> torch.Tensor:
+    b, hq, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    rc = lib.paged_decode_f16(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tables.contiguous().data_ptr(),
+        lens.data_ptr(), b, tables.shape[1], hq, k.shape[2], d, bs, scale, window, cap, 2,
+    )
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 4, 64, 16), (8, 2, 128, 32), (9, 3, 64, 7), (4, 4, 48, 16),
+                                         (6, 2, 36, 16), (4, 1, 256, 16)])
+def test_a_float16_cache_gives_the_bits_of_its_float32_copy(hq, hkv, d, bs) -> None:
+    """A float16 KV cache (kv_cache_dtype float16): every row, decode rows and prompt tiles,
+    windows and soft-caps, gives the bits the float32 kernel gives over the cache widened to
+    float32, on this host's build and the 256-bit one; D 36 takes the portable loop."""
+    builds = [require_kernel("paged_decode", load_paged_decode()),
+              require_kernel("paged_decode", load_paged_decode(("-DKV_NO_W512",)))]
+    g = torch.Generator().manual_seed(hq * d + bs)
+    lens_l = [*range(57, 76), 70, 1, 200]  # a prompt chunk's tiles, then decode rows
+    width = -(-200 // bs)
+    nb = 3 * width
+    k = (torch.randn(nb, bs, hkv, d, generator=g) * 2).half()
+    v = torch.randn(nb, bs, hkv, d, generator=g).half()
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    tables = torch.stack([perm[:width]] * 20 + [perm[width: 2 * width], perm[2 * width:]])
+    lens = torch.tensor(lens_l, dtype=torch.int32)
+    q = torch.randn(len(lens_l), hq, d, generator=g)
+    for window, cap in ((0, 0.0), (0, 3.0), (12, 0.0)):
+        scale = 0.3 if cap else d**-0.5
+        for lib in builds:
+            want = _run(lib, q, k.float(), v.float(), tables, lens, bs, scale, window, cap)
+            assert torch.equal(_run16(lib, q, k, v, tables, lens, bs, scale, window, cap), want)
+
+
+def test_a_float16_cache_whose_blocks_overflow_the_buffers_is_refused() -> None:
+    """A float16 span is widened into buffers of 4096 floats: a block of 64 keys of 128 does not
+    fit, the kernel refuses it, and the attention backend leaves such a cache to SDPA."""
+    from kvserve.workers.model.attention_torch import kernel_reads_kv
+
+    lib = require_kernel("paged_decode", load_paged_decode())
+    q = torch.randn(1, 2, 128)
+    k = torch.zeros(2, 64, 1, 128, dtype=torch.float16)
+    out = torch.empty_like(q)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    rc = lib.paged_decode_f16(q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(), tables.data_ptr(),
+                              lens.data_ptr(), 1, 1, 2, 1, 128, 64, 0.1, 0, 0.0, 1)
+    assert rc == -1
+    assert not kernel_reads_kv(torch.float16, 64, 128) and kernel_reads_kv(torch.float16, 32, 128)
+    assert kernel_reads_kv(torch.float32, 64, 128) and not kernel_reads_kv(torch.bfloat16, 16, 64)

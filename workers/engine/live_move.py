@@ -88,7 +88,7 @@ def _unpack(data: np.ndarray, shape: list[int], dtype: str) -> torch.Tensor:
 
 
 def _dtype(engine: LLMEngine) -> str:
-    return str(engine.runner.dtype).removeprefix("torch.")
+    return str(engine.runner.kv_dtype).removeprefix("torch.")
 
 
 # ---- source ------------------------------------------------------------------------------------

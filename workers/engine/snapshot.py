@@ -120,7 +120,7 @@ def export_stream(engine: LLMEngine, request_id: str) -> bytes:
     record.update({
         "computed_tokens": parked.num_tokens if parked is not None else 0,
         "kv": {"tokens": kv_tokens, "block_size": engine.kv.block_size,
-               "dtype": str(engine.runner.dtype).removeprefix("torch."), "shape": shape,
+               "dtype": str(engine.runner.kv_dtype).removeprefix("torch."), "shape": shape,
                "data": kv_bytes},
     })
     out = msgpack.packb(record, use_bin_type=True)

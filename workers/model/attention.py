@@ -82,15 +82,19 @@ class AttentionBackend(Protocol):
 
 def select_backend(
     name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32,
-    prefill_rows: bool = False,
+    prefill_rows: bool = False, kv: tuple[torch.dtype, int] | None = None,
 ) -> AttentionBackend:
     """'torch' always works; 'triton' needs CUDA (or Triton's CPU interpreter) and triton;
     'flash' needs CUDA and vllm-flash-attn; 'auto' on CUDA prefers triton, then flash.
-    `prefill_rows`: the torch backend's C kernel attends prompt rows too (TorchAttention)."""
-    from kvserve.workers.model.attention_torch import TorchAttention
+    `prefill_rows`: the torch backend's C kernel attends prompt rows too (TorchAttention).
+    `kv`: the KV cache's dtype and head dim (None: the model's dtype)."""
+    from kvserve.workers.model.attention_torch import TorchAttention, kernel_reads_kv
 
-    # the C decode kernel covers float32 on the CPU; everything else stays in torch
+    # the C decode kernel covers float32 models on the CPU, over a float32 or float16 cache
+    # (whose spans must fit its buffers); everything else stays in torch
     use_kernel = device.type == "cpu" and dtype == torch.float32
+    if use_kernel and kv is not None:
+        use_kernel = kernel_reads_kv(kv[0], block_size, kv[1])
     if name == "torch":
         return TorchAttention(use_kernel, prefill_rows)
     if name == "triton" or (name == "auto" and device.type == "cuda"):

@@ -51,6 +51,23 @@ class _StepPlan:
     all_decode: bool
 
 
+# csrc/paged_decode.c's KV_COPY and KV_SPAN: a float16 cache's spans are widened into
+# buffers of KV_COPY floats
+_KV_COPY, _KV_SPAN = 4096, 64
+
+
+def kernel_reads_kv(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether the C kernel reads a KV cache of this dtype and geometry (pd_kv16_fits)."""
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.float16:
+        return False
+    if head_dim % 8:
+        return True
+    keys = min(_KV_COPY // head_dim, _KV_SPAN)
+    return max(keys // block_size, 1) * block_size * head_dim <= _KV_COPY
+
+
 def _is_run(blocks: list[int]) -> bool:
     return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
@@ -234,6 +251,8 @@ class TorchAttention:
             else:
                 ks = kc.index_select(0, p.blocks).view(-1, h, d)[: p.seq_len]
                 vs = vc.index_select(0, p.blocks).view(-1, h, d)[: p.seq_len]
+            if ks.dtype != q.dtype:  # a float16 cache under a float32 model
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             qlen = p.q_end - p.q_start
             if spec.softcap is not None:
                 out[p.q_start : p.q_end] = _capped_attention(
@@ -276,7 +295,8 @@ class TorchAttention:
             od = torch.empty_like(qd)
         n, hq, d = qd.shape
         _, bs, hkv, _ = kc.shape
-        rc = self.kernel.paged_decode_f32(
+        fn = self.kernel.paged_decode_f16 if kc.dtype == torch.float16 else self.kernel.paged_decode_f32
+        rc = fn(
             qd.data_ptr(), kc.data_ptr(), vc.data_ptr(), od.data_ptr(), tab.data_ptr(),
             lens.data_ptr(), n, tab.shape[1], hq, hkv, d, bs, spec.scale, spec.window or 0,
             spec.softcap or 0.0, torch.get_num_threads(),

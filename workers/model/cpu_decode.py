@@ -58,7 +58,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
         ("inter", _i64), ("bs", _i64), ("exact", _i64), ("eps", _f), ("pad_", _f),
-        ("final_norm", _p), ("head", _Lin), ("layers", _p), ("all_packed", _i64),
+        ("final_norm", _p), ("head", _Lin), ("layers", _p), ("all_packed", _i64), ("kv16", _i64),
     ]
 
 
@@ -143,6 +143,7 @@ class CpuDecodeStep:
         if ptr == self.cache_ptr:
             return
         self.model.bs = cache.block_size
+        self.model.kv16 = int(cache.kv.dtype == torch.float16)
         for i in range(len(self.model_ref.layers)):
             k, v = cache.layer(i)
             self.layers[i].k_cache, self.layers[i].v_cache = k.data_ptr(), v.data_ptr()

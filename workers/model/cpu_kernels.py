@@ -109,14 +109,14 @@ def _build(name: str, flags: list[str], deps: tuple[str, ...] = ()) -> ctypes.CD
 def load_paged_decode(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled decode-attention library, or None when it cannot be built here.
     `extra_flags` (tests): e.g. -DKV_NO_W512 builds the 256-bit form on an AVX-512 host."""
-    lib = _build("paged_decode", [*_FLAGS, *extra_flags])
+    lib = _build("paged_decode", [*_FLAGS, *extra_flags], deps=("fp16.h",))
     if lib is None:
         return None
-    f = lib.paged_decode_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                  ctypes.c_float, ctypes.c_int]
-    f.restype = ctypes.c_int
+    for f in (lib.paged_decode_f32, lib.paged_decode_f16):  # a float32 or float16 cache
+        f.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                      ctypes.c_float, ctypes.c_int]
+        f.restype = ctypes.c_int
     return lib
 
 
@@ -167,6 +167,8 @@ def load_decode_step(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.ds_rms_norm_rows.restype = None
     lib.ds_rope_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, c_int]
     lib.ds_rope_rows.restype = None
+    lib.ds_kv_half.argtypes = [p, i64, p]
+    lib.ds_kv_half.restype = None
     lib.ds_act_rows.argtypes = [p, i64, i64, i64, p, i64, c_int]
     lib.ds_act_rows.restype = None
     return lib

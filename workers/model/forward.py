@@ -21,6 +21,7 @@ from kvserve.config import EngineConfig
 from kvserve.kvcache.device_cache import DeviceKVCache
 from kvserve.workers.loading.model_config import ModelConfig
 from kvserve.workers.model.attention import AttentionMetadata, select_backend
+from kvserve.workers.model.attention_torch import kernel_reads_kv
 from kvserve.workers.model.layers.decoder import DecoderModel
 from kvserve.workers.model.step_inputs import StepInputs, to_device
 
@@ -88,13 +89,19 @@ class StepForward:
         # with 8-bit matmuls on the GGUF blocks, prompt rows attend one by one (a row's bits
         # then do not depend on its chunk; TorchAttention); float weights gain nothing from it
         step = getattr(self.model, "cpu_step", None)
+        # auto: float16 K/V under 8-bit activations, where the C kernel reads them
+        int8 = (step is not None and not step.exact and self.device.type == "cpu"
+                and kernel_reads_kv(torch.float16, config.block_size, cfg.head_dim))
+        self.kv_dtype = DTYPES[config.resolved_kv_cache_dtype(int8)]
         self.attn = select_backend(config.attention_backend, self.device, config.block_size, self.dtype,
-                                   prefill_rows=step is not None and not step.exact)
+                                   prefill_rows=step is not None and not step.exact,
+                                   kv=(self.kv_dtype, cfg.head_dim))
         self.attn.configure(self.model.attention_layers)
         log.info("attention backend: %s", self.attn.name)
         use_graphs = on_cuda and not config.enforce_eager and self.attn.name == "triton"
         # what runs, said once at start-up and shown in GetServerInfo (WorkerInfo.runtime)
-        self.runtime: dict[str, str] = {"attention": self.attn.name}
+        self.runtime: dict[str, str] = {"attention": self.attn.name,
+                                        "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
         if self.attn.name == "torch" and self.device.type == "cpu":
             from kvserve.workers.model.cpu_kernels import kernel_states
 
@@ -116,7 +123,7 @@ class StepForward:
         # with CUDA graphs, one block past the pool takes the padding rows' K/V writes
         self.cache = DeviceKVCache(
             cfg.num_layers, config.num_blocks + int(use_graphs), config.block_size,
-            num_kv_heads, cfg.head_dim, self.dtype, self.device,
+            num_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
         )
         self.graphs: StepGraphs | None = None
         if use_graphs:

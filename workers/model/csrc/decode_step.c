@@ -40,7 +40,7 @@ typedef struct {
     ds_lin qkv, o, gate_up, down;
     // norm weights (Gemma's 1 + w already added); NULL where the family has none
     const float *in_norm, *post_attn_norm, *pre_mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
-    float *k_cache, *v_cache;  // [blocks * block_size, hkv, d]
+    void *k_cache, *v_cache;  // [blocks * block_size, hkv, d], float32 or float16 (kv16)
     const float *cos, *sin;    // [positions, rot]
     float scale, softcap;      // softcap 0: none
     int64_t window, rot, act;  // window 0: none; act 0 SiLU, 1 tanh-GELU
@@ -53,6 +53,7 @@ typedef struct {
     ds_lin head;
     const ds_layer *layers;
     int64_t all_packed;  // every linear has its repacked copy: row-major at every row count
+    int64_t kv16;        // the KV cache holds float16
 } ds_model;
 
 // ---------------------------------------------------------------------------------------
@@ -226,6 +227,27 @@ static int64_t ds_layout(const ds_model *md, int64_t B, void *base, ds_scratch *
     return off;
 }
 
+// A new token's K or V row (d a multiple of 8) into the cache at element `off`: float16
+// rounded to nearest even, as torch's .half() rounds (the op-by-op path's cache writes).
+static inline void ds_put_kv(void *cache, int64_t off, const float *p, int64_t d, int kv16) {
+    if (!kv16) {
+        memcpy((float *)cache + off, p, d * 4);
+        return;
+    }
+    uint16_t *o = (uint16_t *)cache + off;
+#ifdef QG_AVX2  // (with F16C)
+    for (int64_t c = 0; c < d; c += 8)
+        _mm_storeu_si128((__m128i *)(o + c), _mm256_cvtps_ph(_mm256_loadu_ps(p + c), _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int64_t c = 0; c < d; ++c) o[c] = f32_to_fp16(p[c]);
+#endif
+}
+
+// n floats rounded to float16 by the step's cache write (tests: torch's rounding, every build).
+void ds_kv_half(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i + 8 <= n; i += 8) ds_put_kv(out, i, x + i, 8, 1);
+}
+
 int64_t decode_step_scratch_bytes(const ds_model *md, int64_t B) { return ds_layout(md, B, NULL, NULL); }
 
 // x: [B, hidden] the residual stream (the embeddings; overwritten); pos, slots: [B] int64;
@@ -237,12 +259,12 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
                 int64_t R, float *logits, void *scratch, int n_threads) {
     const int64_t H = md->hidden, hq = md->hq, hkv = md->hkv, d = md->d, I = md->inter;
     if (hq % hkv || hq / hkv > MAX_REP || d > MAX_D || md->bs > MAX_BS || d % QG_QK || I % QG_QK ||
-        R > B)
+        R > B || (md->kv16 && !pd_kv16_fits(md->bs, d)))
         return -1;
     ds_scratch s;
     ds_layout(md, B, scratch, &s);
     const int64_t nqkv = md->layers[0].qkv.N, rep = hq / hkv, ad = hq * d;
-    const int exact = (int)md->exact;
+    const int exact = (int)md->exact, kv16 = (int)md->kv16;
     qg_act A, Bq;
     // a prompt chunk's (or verify step's) rows attend in tiles of consecutive positions
     const int64_t ntiles = pd_plan_tiles(tables, max_blocks, lens, B, md->bs, hq / hkv, s.tiles);
@@ -289,9 +311,9 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
                             const float *nw = u < hq ? ly->q_norm : ly->k_norm;
                             if (nw) ds_rmsnorm(p, p, nw, d, md->eps);
                             ds_rope(p, ly->cos, ly->sin, pos[m], ly->rot);
-                            if (u >= hq) memcpy(ly->k_cache + (slots[m] * hkv + (u - hq)) * d, p, d * 4);
+                            if (u >= hq) ds_put_kv(ly->k_cache, (slots[m] * hkv + (u - hq)) * d, p, d, kv16);
                         } else {
-                            memcpy(ly->v_cache + (slots[m] * hkv + (u - hq - hkv)) * d, p, d * 4);
+                            ds_put_kv(ly->v_cache, (slots[m] * hkv + (u - hq - hkv)) * d, p, d, kv16);
                         }
                     }
                 }
@@ -306,7 +328,7 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
 #pragma omp for schedule(dynamic, 1) nowait
                 for (int64_t it = 0; it < tile_items; ++it) {
                     const int64_t tl = it / hkv, h = it % hkv, b0 = s.tiles[tl], P = s.tiles[tl + 1] - b0;
-                    pd_tile(s.qkv, ly->k_cache, ly->v_cache, s.att, tables + (b0 + P - 1) * max_blocks,
+                    pd_tile(s.qkv, ly->k_cache, ly->v_cache, kv16, s.att, tables + (b0 + P - 1) * max_blocks,
                             lens[b0], P, b0, h, nqkv, ad, hkv, d, md->bs, rep, ly->scale, ly->window,
                             ly->softcap);
                     if (!exact)
@@ -317,7 +339,7 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
 #pragma omp for schedule(dynamic, 1) nowait
                 for (int64_t it = 0; it < head_items; ++it) {
                     const int64_t b = it / hq, qh = it % hq;
-                    pd_item(s.qkv, ly->k_cache, ly->v_cache, s.att, tables + b * max_blocks, lens[b], b,
+                    pd_item(s.qkv, ly->k_cache, ly->v_cache, kv16, s.att, tables + b * max_blocks, lens[b], b,
                             qh / rep, nqkv, ad, qh, hkv, d, md->bs, 1, ly->scale, ly->window,
                             ly->softcap);
                     if (!exact)

@@ -12,10 +12,16 @@
 // online softmax steps over spans of whole blocks (64 keys at D = 64, 32 at 128),
 // so its per-step work (max, correction, rescaling) is paid once per span, and a
 // prompt chunk's rows attend in tiles that copy each span's K/V rows together once.
+//
+// The cache holds float32 or float16 K/V (kv16). float16 rows are widened to float32 a
+// span at a time, into the buffers a tile copies its rows to, and attend from there: the
+// arithmetic is float32's on the stored values, and a step reads half the bytes from DRAM.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fp16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KV_AVX2 1
@@ -337,27 +343,47 @@ static inline __attribute__((always_inline)) void span_rows(float (*s)[MAX_BS + 
 }
 
 // The next block is usually elsewhere in the pool: start its DRAM reads now.
-static inline void prefetch_block(const float *k, const float *v, int64_t nb, int64_t nn,
-                                  int64_t Hkv, int64_t D) {
+static inline void prefetch_block(const char *k, const char *v, int64_t nb, int64_t nn,
+                                  int64_t Hkv, int64_t D, int64_t esz) {
     for (int64_t j = 0; j < nn; ++j)
-        for (int64_t c = 0; c < D; c += 16) {
-            _mm_prefetch((const char *)(k + (nb + j * Hkv) * D + c), _MM_HINT_T0);
-            _mm_prefetch((const char *)(v + (nb + j * Hkv) * D + c), _MM_HINT_T0);
+        for (int64_t c = 0; c < D * esz; c += 64) {
+            _mm_prefetch(k + (nb + j * Hkv) * D * esz + c, _MM_HINT_T0);
+            _mm_prefetch(v + (nb + j * Hkv) * D * esz + c, _MM_HINT_T0);
         }
 }
 
-// Where the span's blocks of head h start (kb, vb: one per block), prefetching each next
-// block; blocks wholly before key j0 (a window's) are neither looked up nor read.
-static inline void span_blocks(const float *k, const float *v, const int32_t *table, int64_t t0,
+// Where the span's blocks of head h start (kb, vb: one per block; float16 rows where kv16,
+// copy_rows widens them), prefetching each next block; blocks wholly before key j0 (a
+// window's) are neither looked up nor read.
+static inline void span_blocks(const void *k, const void *v, int kv16, const int32_t *table, int64_t t0,
                                int64_t n, int64_t j0, int64_t L, int64_t h, int64_t Hkv,
                                const int64_t D, int64_t bs, const float **kb, const float **vb) {
+    const int64_t esz = kv16 ? 2 : 4;
     for (int64_t jb = j0 / bs * bs; jb < n; jb += bs) {
         const int64_t t = t0 + jb, base = ((int64_t)table[t / bs] * bs) * Hkv + h;
-        kb[jb / bs] = k + base * D;
-        vb[jb / bs] = v + base * D;
+        kb[jb / bs] = (const float *)(const void *)((const char *)k + base * D * esz);
+        vb[jb / bs] = (const float *)(const void *)((const char *)v + base * D * esz);
         if (t + bs < L)
             prefetch_block(k, v, ((int64_t)table[t / bs + 1] * bs) * Hkv + h, (L - t - bs) < bs ? (L - t - bs) : bs,
-                           Hkv, D);
+                           Hkv, D, esz);
+    }
+}
+
+// A span's K or V rows j0 .. n-1 of one head (runs of bs rows at src, `stride` elements
+// apart) copied into rows j0 .. n-1 of dst, D apart; float16 rows (kv16) widened, exactly,
+// so the values are those the float32 kernel reads from a float32 copy of the cache.
+static inline __attribute__((always_inline)) void copy_rows(float *dst, const float *const *src, int64_t bs,
+                                                            int64_t j0, int64_t n, int64_t stride,
+                                                            const int64_t D, int kv16) {
+    for (int64_t j = j0; j < n; ++j) {
+        if (!kv16) {
+            const float *row = src[j / bs] + (j % bs) * stride;
+            for (int64_t c = 0; c < D; c += 8) _mm256_store_ps(dst + j * D + c, _mm256_loadu_ps(row + c));
+            continue;
+        }
+        const uint16_t *row = (const uint16_t *)(const void *)src[j / bs] + (j % bs) * stride;
+        for (int64_t c = 0; c < D; c += 8)
+            _mm256_store_ps(dst + j * D + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + c))));
     }
 }
 
@@ -366,7 +392,7 @@ static inline void span_blocks(const float *k, const float *v, const int32_t *ta
 // and b * ldo. D is a compile-time constant where inlined from the dispatch below, so
 // the D/8 chunk loops unroll fully.
 static inline __attribute__((always_inline)) void item_avx2(
-    const float *q, const float *k, const float *v, float *out, const int32_t *table,
+    const float *q, const void *k, const void *v, int kv16, float *out, const int32_t *table,
     int32_t L, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t qh0, int64_t Hkv,
     const int64_t D, int64_t bs, int64_t rep, float scale, int64_t first, float cap) {
     // rows D apart, not MAX_D: at MAX_D (1 KiB) the rows 4 apart share L1 sets
@@ -374,28 +400,25 @@ static inline __attribute__((always_inline)) void item_avx2(
     float acc[MAX_REP * MAX_D] __attribute__((aligned(32)));
     float s[MAX_REP][MAX_BS + 8] __attribute__((aligned(32)));
     float m[MAX_REP], l[MAX_REP];
-    const float *kb[KV_SPAN], *vb[KV_SPAN];
+    float kc[KV_COPY] __attribute__((aligned(32))), vc[KV_COPY] __attribute__((aligned(32)));
+    const float *kb[KV_SPAN], *vb[KV_SPAN], *kcp[1] = {kc}, *vcp[1] = {vc};
     int64_t nr[MAX_REP];
     const int64_t span = span_keys(bs, D);
     begin_item(q, qs, acc, m, l, b, ldq, qh0, D, rep, scale);
     for (int64_t t0 = first / span * span; t0 < L; t0 += span) {
         const int64_t n = (L - t0) < span ? (L - t0) : span;
         const int64_t j0 = t0 < first ? first - t0 : 0;  // keys before the window: unread
-        span_blocks(k, v, table, t0, n, j0, L, h, Hkv, D, bs, kb, vb);
+        span_blocks(k, v, kv16, table, t0, n, j0, L, h, Hkv, D, bs, kb, vb);
         for (int64_t r = 0; r < rep; ++r) nr[r] = n;
-        span_rows(s, qs, acc, m, l, rep, nr, j0, kb, vb, bs, Hkv * D, D, t0, first, cap);
+        if (kv16) {  // the span's rows as float32 (pd_run: they fit the buffers)
+            copy_rows(kc, kb, bs, j0, n, Hkv * D, D, 1);
+            copy_rows(vc, vb, bs, j0, n, Hkv * D, D, 1);
+            span_rows(s, qs, acc, m, l, rep, nr, j0, kcp, vcp, span, D, D, t0, first, cap);
+        } else {
+            span_rows(s, qs, acc, m, l, rep, nr, j0, kb, vb, bs, Hkv * D, D, t0, first, cap);
+        }
     }
     end_item(out, acc, l, b, ldo, qh0, D, rep);
-}
-
-// A span's K or V rows of one head (runs of bs rows, `stride` floats apart) copied into n
-// consecutive rows of dst.
-static inline __attribute__((always_inline)) void copy_rows(float *dst, const float *const *src, int64_t bs,
-                                                            int64_t n, int64_t stride, const int64_t D) {
-    for (int64_t j = 0; j < n; ++j) {
-        const float *row = src[j / bs] + (j % bs) * stride;
-        for (int64_t c = 0; c < D; c += 8) _mm256_store_ps(dst + j * D + c, _mm256_loadu_ps(row + c));
-    }
 }
 
 // A tile: P consecutive prompt (or verify) rows of one stream, rows b .. b+P-1 at lengths
@@ -404,7 +427,7 @@ static inline __attribute__((always_inline)) void copy_rows(float *dst, const fl
 // that row alone (the same spans, span_rows over its own keys), so a row's bits do not
 // depend on the tile it is in. No window (callers check).
 static inline __attribute__((always_inline)) void tile_avx2(
-    const float *q, const float *k, const float *v, float *out, const int32_t *table,
+    const float *q, const void *k, const void *v, int kv16, float *out, const int32_t *table,
     int32_t L0, int64_t P, int64_t b, int64_t h, int64_t ldq, int64_t ldo, int64_t Hkv,
     const int64_t D, int64_t bs, int64_t rep, float scale, float cap) {
     // rows D apart, not MAX_D: at MAX_D (1 KiB) the rows 4 apart share L1 sets
@@ -421,7 +444,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
                    scale);
     for (int64_t t0 = 0; t0 < Lmax; t0 += span) {
         const int64_t nmax = (Lmax - t0) < span ? (Lmax - t0) : span;
-        span_blocks(k, v, table, t0, nmax, 0, Lmax, h, Hkv, D, bs, kb, vb);
+        span_blocks(k, v, kv16, table, t0, nmax, 0, Lmax, h, Hkv, D, bs, kb, vb);
         for (int64_t r = 0; r < R; ++r) {
             const int64_t n = L0 + r / rep - t0;
             nr[r] = n < span ? n : span;
@@ -429,9 +452,10 @@ static inline __attribute__((always_inline)) void tile_avx2(
         // The span's rows of head h lie Hkv * D floats apart: 1 KiB for 4 heads of 64, so
         // rows 4 apart share L1 sets and, with the tile's own rows, overflow them. Copied
         // together once per tile, the R rows read them from L1 (the same arithmetic and bits).
-        if (Hkv > 1 && nmax * D <= KV_COPY) {
-            copy_rows(kc, kb, bs, nmax, Hkv * D, D);
-            copy_rows(vc, vb, bs, nmax, Hkv * D, D);
+        // float16 rows are always copied, widened (pd_run: they fit).
+        if (kv16 || (Hkv > 1 && nmax * D <= KV_COPY)) {
+            copy_rows(kc, kb, bs, 0, nmax, Hkv * D, D, kv16);
+            copy_rows(vc, vb, bs, 0, nmax, Hkv * D, D, kv16);
             span_rows(s, qs, acc, m, l, R, nr, 0, kcp, vcp, span, D, D, t0, 0, cap);
         } else {
             span_rows(s, qs, acc, m, l, R, nr, 0, kb, vb, bs, Hkv * D, D, t0, 0, cap);
@@ -443,7 +467,12 @@ static inline __attribute__((always_inline)) void tile_avx2(
 
 // The portable path (any D, no AVX2): the same attention with a softmax step per block and
 // libm exponentials (its rows' bits are its own; a process takes one path for every row).
-static void item_generic(const float *q, const float *k, const float *v, float *out,
+// One K/V element of a float32 or float16 (kv16) cache.
+static inline float kv_at(const void *p, int64_t i, int kv16) {
+    return kv16 ? fp16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void item_generic(const float *q, const void *k, const void *v, int kv16, float *out,
                          const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t ldq,
                          int64_t ldo, int64_t qh0, int64_t Hkv, int64_t D, int64_t bs,
                          int64_t rep, float scale, int64_t first, float cap) {
@@ -457,10 +486,10 @@ static void item_generic(const float *q, const float *k, const float *v, float *
         const int64_t base = ((int64_t)table[t0 / bs] * bs) * Hkv + h;
         const int64_t j0 = t0 < first ? first - t0 : 0;
         for (int64_t j = j0; j < n; ++j) {
-            const float *kj = k + (base + j * Hkv) * D;
+            const int64_t kj = (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 float dot = 0.f;
-                for (int64_t d = 0; d < D; ++d) dot += qs[r * D + d] * kj[d];
+                for (int64_t d = 0; d < D; ++d) dot += qs[r * D + d] * kv_at(k, kj + d, kv16);
                 s[r][j] = dot;
             }
         }
@@ -479,10 +508,10 @@ static void item_generic(const float *q, const float *k, const float *v, float *
             m[r] = mx;
         }
         for (int64_t j = j0; j < n; ++j) {
-            const float *vj = v + (base + j * Hkv) * D;
+            const int64_t vj = (base + j * Hkv) * D;
             for (int64_t r = 0; r < rep; ++r) {
                 const float p = s[r][j];
-                for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p * vj[d];
+                for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p * kv_at(v, vj + d, kv16);
             }
         }
     }
@@ -490,44 +519,44 @@ static void item_generic(const float *q, const float *k, const float *v, float *
 }
 
 // One item through the fastest path for D.
-static void pd_item(const float *q, const float *k, const float *v, float *out,
+static void pd_item(const float *q, const void *k, const void *v, int kv16, float *out,
                     const int32_t *table, int32_t L, int64_t b, int64_t h, int64_t ldq,
                     int64_t ldo, int64_t qh0, int64_t Hkv, int64_t D, int64_t bs, int64_t rep,
                     float scale, int64_t window, float cap) {
     const int64_t first = window > 0 && L > window ? L - window : 0;
 #ifdef KV_AVX2
     if (D == 64) {
-        item_avx2(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, 64, bs, rep, scale, first, cap);
+        item_avx2(q, k, v, kv16, out, table, L, b, h, ldq, ldo, qh0, Hkv, 64, bs, rep, scale, first, cap);
         return;
     }
     if (D == 128) {
-        item_avx2(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, 128, bs, rep, scale, first, cap);
+        item_avx2(q, k, v, kv16, out, table, L, b, h, ldq, ldo, qh0, Hkv, 128, bs, rep, scale, first, cap);
         return;
     }
     if (D % 8 == 0) {
-        item_avx2(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
+        item_avx2(q, k, v, kv16, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
         return;
     }
 #endif
-    item_generic(q, k, v, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
+    item_generic(q, k, v, kv16, out, table, L, b, h, ldq, ldo, qh0, Hkv, D, bs, rep, scale, first, cap);
 }
 
 // Rows b .. b+P-1 of one stream (plan_tiles) against kv head h: one tile where it can
 // (AVX2, no window), else row by row; either way each row gives pd_item's bits.
-static void pd_tile(const float *q, const float *k, const float *v, float *out,
+static void pd_tile(const float *q, const void *k, const void *v, int kv16, float *out,
                     const int32_t *table, int32_t L0, int64_t P, int64_t b, int64_t h,
                     int64_t ldq, int64_t ldo, int64_t Hkv, int64_t D, int64_t bs, int64_t rep,
                     float scale, int64_t window, float cap) {
 #ifdef KV_AVX2
     if (P > 1 && window == 0 && D % 8 == 0) {
-        if (D == 64) tile_avx2(q, k, v, out, table, L0, P, b, h, ldq, ldo, Hkv, 64, bs, rep, scale, cap);
-        else if (D == 128) tile_avx2(q, k, v, out, table, L0, P, b, h, ldq, ldo, Hkv, 128, bs, rep, scale, cap);
-        else tile_avx2(q, k, v, out, table, L0, P, b, h, ldq, ldo, Hkv, D, bs, rep, scale, cap);
+        if (D == 64) tile_avx2(q, k, v, kv16, out, table, L0, P, b, h, ldq, ldo, Hkv, 64, bs, rep, scale, cap);
+        else if (D == 128) tile_avx2(q, k, v, kv16, out, table, L0, P, b, h, ldq, ldo, Hkv, 128, bs, rep, scale, cap);
+        else tile_avx2(q, k, v, kv16, out, table, L0, P, b, h, ldq, ldo, Hkv, D, bs, rep, scale, cap);
         return;
     }
 #endif
     for (int64_t p = 0; p < P; ++p)
-        pd_item(q, k, v, out, table, L0 + (int32_t)p, b + p, h, ldq, ldo, h * rep, Hkv, D, bs, rep,
+        pd_item(q, k, v, kv16, out, table, L0 + (int32_t)p, b + p, h, ldq, ldo, h * rep, Hkv, D, bs, rep,
                 scale, window, cap);
 }
 
@@ -550,13 +579,26 @@ static int64_t pd_plan_tiles(const int32_t *tables, int64_t max_blocks, const in
     return n;
 }
 
-// q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D]; tables: [B, max_blocks] int32;
-// window: keys a query sees, itself included (0: all); cap: score soft-cap (0: none)
-int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
-                     const int32_t *tables, const int32_t *seq_lens, int64_t B,
-                     int64_t max_blocks, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                     float scale, int64_t window, float cap, int n_threads) {
+// Whether a float16 cache's spans fit the buffers they are widened into (every geometry
+// of a float32 cache is taken).
+static int pd_kv16_fits(int64_t bs, int64_t D) {
+#ifdef KV_AVX2
+    if (D % 8 == 0) return span_keys(bs, D) * D <= KV_COPY;
+#endif
+    (void)bs;
+    (void)D;
+    return 1;
+}
+
+// q, out: [B, Hq, D]; k, v: [num_blocks, bs, Hkv, D], float32 or float16 (kv16); tables:
+// [B, max_blocks] int32; window: keys a query sees, itself included (0: all); cap: score
+// soft-cap (0: none)
+static int pd_run(const float *q, const void *k, const void *v, int kv16, float *out,
+                  const int32_t *tables, const int32_t *seq_lens, int64_t B, int64_t max_blocks,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window,
+                  float cap, int n_threads) {
     if (Hq % Hkv || Hq / Hkv > MAX_REP || D > MAX_D || bs > MAX_BS) return -1;
+    if (kv16 && !pd_kv16_fits(bs, D)) return -1;
     const int64_t rep = Hq / Hkv;
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (starts == NULL) return -2;
@@ -565,9 +607,27 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t t = it / Hkv, h = it % Hkv, b = starts[t], P = starts[t + 1] - b;
-        pd_tile(q, k, v, out, tables + (b + P - 1) * max_blocks, seq_lens[b], P, b, h, Hq * D,
+        pd_tile(q, k, v, kv16, out, tables + (b + P - 1) * max_blocks, seq_lens[b], P, b, h, Hq * D,
                 Hq * D, Hkv, D, bs, rep, scale, window, cap);
     }
     free(starts);
     return 0;
+}
+
+int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
+                     const int32_t *tables, const int32_t *seq_lens, int64_t B,
+                     int64_t max_blocks, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                     float scale, int64_t window, float cap, int n_threads) {
+    return pd_run(q, k, v, 0, out, tables, seq_lens, B, max_blocks, Hq, Hkv, D, bs, scale, window, cap,
+                  n_threads);
+}
+
+// The same over a float16 cache: each row's bits are paged_decode_f32's over the cache
+// widened to float32.
+int paged_decode_f16(const float *q, const uint16_t *k, const uint16_t *v, float *out,
+                     const int32_t *tables, const int32_t *seq_lens, int64_t B,
+                     int64_t max_blocks, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                     float scale, int64_t window, float cap, int n_threads) {
+    return pd_run(q, k, v, 1, out, tables, seq_lens, B, max_blocks, Hq, Hkv, D, bs, scale, window, cap,
+                  n_threads);
 }
