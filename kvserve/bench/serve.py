@@ -128,6 +128,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                         "(auto: cuda if torch sees a GPU)")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="weights and KV (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   default=None, help="the KV cache's dtype (the engine's default: auto)")
     g.add_argument("--cpu-matmul", choices=["int8", "exact"], default=None,
                    help="CPU engines on GGUF blocks: 8-bit activations (int8, the engine's "
                         "default) or float32 ones (exact)")

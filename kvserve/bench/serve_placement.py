@@ -55,8 +55,10 @@ def _engine(a: argparse.Namespace, p: Placement, threads: int | None, kv: int | 
     from kvserve.config import EngineConfig
 
     kw = {"model": a.model, "kv_cache_tokens": kv, "max_num_seqs": a.max_num_seqs,
-          "device": p.device, "dtype": p.dtype, "num_threads": threads,
-          "cpu_matmul": getattr(a, "cpu_matmul", None),
+          # auto stays auto: the engine's own choice of the KV cache's dtype follows it
+          "device": p.device, "dtype": p.dtype if a.dtype != "auto" else None,
+          "num_threads": threads, "cpu_matmul": getattr(a, "cpu_matmul", None),
+          "kv_cache_dtype": getattr(a, "kv_cache_dtype", None),
           "async_scheduling": {"on": True, "off": False}.get(getattr(a, "async_scheduling", "auto"))}
     return EngineConfig(**{k: v for k, v in kw.items() if v is not None})
 

@@ -94,12 +94,17 @@ def test_engines_and_workers_share_the_device_and_dtype():
     a = _args()
     check_args(a)
     eng, worker = engine_config(a, cuda), service_engine(a, cuda)
-    assert (eng.device, eng.dtype, eng.num_threads) == ("cuda", "bfloat16", None)
+    # dtype auto stays auto (bfloat16 on CUDA), so the engine picks its KV cache's dtype
+    assert (eng.device, eng.resolved_dtype(), eng.num_threads) == ("cuda", "bfloat16", None)
     assert worker.model_dump() == eng.model_dump()  # no CPU threads forced onto a GPU worker
     assert _placed(1, "--workers", "2").gpus_per_worker == 0.5  # two workers, one GPU
     assert _placed(4, "--workers", "3").gpus_per_worker == 1.0
     assert _placed(2, "--workers", "3").gpus_per_worker == 0.5
-    assert _placed(1, "--dtype", "float32").dtype == "float32"
+    pinned = _placed(1, "--dtype", "float32")
+    assert pinned.dtype == "float32"
+    assert engine_config(_args("--dtype", "float32"), pinned).dtype == "float32"
+    half = _args("--kv-cache-dtype", "float16")
+    assert engine_config(half, cuda).kv_cache_dtype == service_engine(half, cuda).kv_cache_dtype == "float16"
     cpu = _placed(0, "--workers", "2", "--kv-cache-tokens", "4096")
     assert cpu == Placement("cpu", "float32", 0.0)
     a = _args("--workers", "2", "--kv-cache-tokens", "4096")
