@@ -95,15 +95,10 @@ def _stats(router: Any) -> list[dict[str, float]]:
     return [w["stats"] for w in ray.get(router.server_info.remote())["workers"]]
 
 
-def _stats_when(router: Any, ready: Any) -> list[dict[str, float]]:
-    """The workers' stats once `ready(stats)` holds (or after 30 s): an engine's counters
-    reach the router with its next poll of the workers, not with the request's last token."""
-    deadline = time.monotonic() + 30
-    while True:
-        stats = _stats(router)
-        if ready(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
+def _engine_stats(router: Any, idx: int) -> dict[str, float]:
+    """Worker `idx`'s engine counters as they are now: the router's copy (`_stats`) is that of
+    its last poll of the worker, which may not have seen the last request yet."""
+    return ray.get(ray.get(router.workers.remote())[idx].stats.remote())
 
 
 def _wait_clean(router: Any, workers: list[int]) -> None:
@@ -191,13 +186,13 @@ def test_parked_streams_move_to_the_worker_with_room(cluster, svc, smol_llm):
             await w0.resume_engine.remote()
         return await asyncio.gather(*tasks), parked, held
 
-    before = _stats(cluster)
+    before, evictions = _stats(cluster), _engine_stats(cluster, 0)["evictions"]
     got, parked, held = asyncio.run(run())
-    after = _stats(cluster)
+    after = _stats(cluster)  # the router's own migration counters are current
     assert held["parked"] == 0 and held["running"] + held["waiting"] == n - len(parked), held
     assert [r.token_ids for r in got] == want
     assert all(r.finish_reason == "length" and r.usage[2] == MAX_TOKENS for r in got)
-    assert after[0]["evictions"] > before[0]["evictions"]
+    assert _engine_stats(cluster, 0)["evictions"] > evictions
     moved = sum(after[i]["migration_streams_in"] - before[i]["migration_streams_in"]
                 for i in (1, 2))
     assert moved == len(parked)
@@ -325,13 +320,13 @@ def test_move_to_a_dead_worker_leaves_the_stream_at_its_source(cluster, svc, smo
             await handles[0].resume_engine.remote()
         return await task, moved
 
-    before = _stats(cluster)
+    before, returned = _stats(cluster), _engine_stats(cluster, 0)["migration_returned"]
     got, moved = asyncio.run(run())
     assert "error" in moved and moved["returned"], moved
     assert got.token_ids == want[0] and got.worker_id == "worker-0"
-    after = _stats_when(cluster, lambda s: s[0]["migration_returned"] > before[0]["migration_returned"])
+    after = _stats(cluster)  # the router's own counters are current
     assert after[2]["migration_failures"] == before[2]["migration_failures"] + 1
-    assert after[0]["migration_returned"] == before[0]["migration_returned"] + 1
+    assert _engine_stats(cluster, 0)["migration_returned"] == returned + 1
     _wait_clean(cluster, [0, 1])
 
 
@@ -404,13 +399,12 @@ def test_pressured_worker_moves_running_streams_live(cluster, svc, smol_llm):
             await w0.resume_engine.remote()
         return await asyncio.gather(*tasks), load, held
 
-    before = _stats(cluster)
+    before = _engine_stats(cluster, 0)
     got, load, held = asyncio.run(run())
     assert held["running"] < load["running"], (load, held)  # streams left while it was held
     assert [r.token_ids for r in got] == want
     assert sum(r.worker_id != "worker-0" for r in got) >= 1
-    after = _stats_when(cluster, lambda s: s[0]["migration_moved_out"] > before[0]["migration_moved_out"])
-    assert after[0]["migration_moved_out"] > before[0]["migration_moved_out"]
+    assert _engine_stats(cluster, 0)["migration_moved_out"] > before["migration_moved_out"]
     _wait_clean(cluster, [0, 1])  # (worker 2 was stopped for good above)
     _wait_no_inflight(cluster)
 
