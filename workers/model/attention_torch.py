@@ -51,21 +51,17 @@ class _StepPlan:
     all_decode: bool
 
 
-# csrc/paged_decode.c's KV_COPY and KV_SPAN: a float16 cache's spans are widened into
-# buffers of KV_COPY floats
-_KV_COPY, _KV_SPAN = 4096, 64
-
-
 def kernel_reads_kv(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """Whether the C kernel reads a KV cache of this dtype and geometry (pd_kv16_fits)."""
+    """Whether the C kernel reads a KV cache of this dtype and geometry: float32 always, a
+    float16 one where its spans fit the kernel's buffers (none where it is not built)."""
     if dtype == torch.float32:
         return True
     if dtype != torch.float16:
         return False
-    if head_dim % 8:
-        return True
-    keys = min(_KV_COPY // head_dim, _KV_SPAN)
-    return max(keys // block_size, 1) * block_size * head_dim <= _KV_COPY
+    from kvserve.workers.model.cpu_kernels import load_paged_decode
+
+    lib = load_paged_decode()
+    return lib is not None and bool(lib.pd_kv16_fits(block_size, head_dim))
 
 
 def _is_run(blocks: list[int]) -> bool:

@@ -117,6 +117,8 @@ def load_paged_decode(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         f.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                       ctypes.c_float, ctypes.c_int]
         f.restype = ctypes.c_int
+    lib.pd_kv16_fits.argtypes = [i64, i64]
+    lib.pd_kv16_fits.restype = ctypes.c_int
     return lib
 
 

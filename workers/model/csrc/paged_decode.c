@@ -580,8 +580,8 @@ static int64_t pd_plan_tiles(const int32_t *tables, int64_t max_blocks, const in
 }
 
 // Whether a float16 cache's spans fit the buffers they are widened into (every geometry
-// of a float32 cache is taken).
-static int pd_kv16_fits(int64_t bs, int64_t D) {
+// of a float32 cache is taken); attention_torch.kernel_reads_kv asks it too.
+int pd_kv16_fits(int64_t bs, int64_t D) {
 #ifdef KV_AVX2
     if (D % 8 == 0) return span_keys(bs, D) * D <= KV_COPY;
 #endif
