@@ -52,8 +52,8 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
 }
 
 // v_b of the lanes (idot: their integer dots; the activation row's scalars at f) added into
-// their partial sum P.
-static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int qtype, QV_F *P, QV_I acc,
+// their partial sum P (first: P not yet written, its first term).
+static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int qtype, const int first, QV_F *P, QV_I acc,
                                                                     QV_F ws, QV_F coef, QV_F coef1,
                                                                     const qg_act *a, int64_t f) {
     QV_F v = QV_MULF(QV_CVTF(acc), QV_MULF(ws, QV_BF(a->d[f])));
@@ -63,7 +63,89 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int q
     } else if (qtype != QG_Q8_0) {
         v = QV_FMA(coef, QV_BF(a->s[f]), v);
     }
-    *P = QV_ADDF(*P, v);
+    *P = QV_ADDF(first ? QV_ZEROF() : *P, v);  // first: P's first term, as 0 + v
+}
+
+// Block b of the group at pp (h: which of its pair): the lanes' float factors (ws, coef,
+// coef1), Q6_K's 16-weight scales (sc0, sc1) and the weights unpacked for the integer dots
+// (u; Q8_0: their magnitudes, sg their signs).
+static inline __attribute__((always_inline)) void QV_NAME(qg_pk_block)(const int qtype, const uint8_t *pp,
+                                                                      const int h, int64_t b, QV_F *ws,
+                                                                      QV_F *coef, QV_F *coef1, QV_I *sc0,
+                                                                      QV_I *sc1, QV_I u[8], QV_SG sg[8]) {
+    const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
+    const QV_I m4 = QV_B8(0x0F);
+    const QV_F neg = QV_BF(-0.0f);
+    // K-quants: a super-block's header, then its slices (qg_pk_kpiece); the others: blocks
+    const int64_t khdr = qg_pk_kpiece(qtype, 1), kslice = qg_pk_kpiece(qtype, 0);
+    const int64_t sbb = khdr + 8 * kslice;
+    *coef1 = QV_ZEROF();
+    *sc0 = *sc1 = QV_ZERO();
+    const uint8_t *wq;
+    int64_t gs = blk;  // from a piece of the first group to the second's (16 lanes)
+    if (qtype == QG_Q6_K || qg_k4like(qtype)) {
+        const uint8_t *sp = pp + (b / 8) * sbb * QG_PAIR, *sb = sp + h * khdr;
+        const uint8_t *sl = sp + QG_PAIR * khdr + (QG_PAIR * (b % 8) + h) * kslice;
+        gs = kslice;
+        if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales, -32 * d * sc
+            *ws = QV_PH(sb, khdr);
+            *sc0 = QV_I8(sl, kslice);
+            *sc1 = QV_I8(sl + 8, kslice);
+            const QV_F d32 = QV_MULF(QV_BF(-32.f), *ws);
+            *coef = QV_MULF(d32, QV_CVTF(*sc0));
+            *coef1 = QV_MULF(d32, QV_CVTF(*sc1));
+#ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
+            *sc0 = QV_OR(QV_AND(*sc0, QV_B32(0xFFFF)), QV_SLLI32(*sc0, 16));
+            *sc1 = QV_OR(QV_AND(*sc1, QV_B32(0xFFFF)), QV_SLLI32(*sc1, 16));
+#endif
+        } else {  // as qg_scalars: d * sc, -(dmin * mn)
+            const QV_F sc = QV_CVTF(QV_U8(sl, kslice)), mn = QV_CVTF(QV_U8(sl + 8, kslice));
+            *ws = QV_MULF(QV_PH(sb, khdr), sc);
+            *coef = QV_XORF(QV_MULF(QV_PH(sb + 16, khdr), mn), neg);
+        }
+        wq = sl + 16;
+    } else {
+        const uint8_t *p = pp + (b * QG_PAIR + h) * blk;
+        *ws = QV_PH(p, blk);
+        *coef = qg_min32(qtype)   ? QV_PH(p + 16, blk)
+               : qg_off32(qtype) ? QV_MULF(QV_BF((float)-qg_off32(qtype)), *ws)
+                                 : QV_ZEROF();
+        wq = p + hdr;
+    }
+    (void)gs;
+#if QV_W == 16
+    // the pair's bytes 4 KB ahead, as many as this block reads: without, one to 8 rows
+    // waited on memory and ran 0.56-1.2x the 256-bit kernel's speed (0.95-1.7x with)
+    for (int64_t o = 0; o < 2 * gs; o += 64) _mm_prefetch((const char *)wq + 4096 + o, _MM_HINT_T0);
+#endif
+    if (qtype == QG_Q8_0) {
+        for (int g = 0; g < 8; ++g) {
+            const QV_I v = QV_LOADW(wq + 32 * g, gs);
+            u[g] = QV_ABS8(v);
+            sg[g] = QV_SG_OF(v, wq + 32 * g);
+        }
+    } else if (qtype == QG_Q6_K) {
+        const QV_I m2 = QV_B8(0x03), hq[2] = {QV_LOADW(wq + 128, gs), QV_LOADW(wq + 160, gs)};
+        for (int i = 0; i < 4; ++i) {
+            const QV_I v = QV_LOADW(wq + 32 * i, gs);
+            u[i] = QV_AND(v, m4);
+            u[i + 4] = QV_AND(QV_SRLI16(v, 4), m4);
+        }
+        for (int g = 0; g < 8; ++g) {  // weights 4g..4g+3: bits 2 * (g / 2) of vector g % 2
+            const QV_I t = QV_AND(QV_SRLI16(hq[g % 2], 2 * (g / 2)), m2);
+            u[g] = QV_OR(u[g], QV_SLLI16(t, 4));
+        }
+    } else {
+        for (int i = 0; i < 4; ++i) {
+            const QV_I v = QV_LOADW(wq + 32 * i, gs);
+            u[i] = QV_AND(v, m4);
+            u[i + 4] = QV_AND(QV_SRLI16(v, 4), m4);
+        }
+        if (qg_five(qtype)) {  // bit g of the fifth-bit vector: weights 4g..4g+3
+            const QV_I hv = QV_LOADW(wq + 128, gs);
+            for (int g = 0; g < 8; ++g) u[g] = QV_OR(u[g], QV_BIT_TO4(hv, g));
+        }
+    }
 }
 
 // Weights repacked once at load (qgemm_pack) for the few-row path:
@@ -86,9 +168,6 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
                                                                          const int h, const qg_act *a,
                                                                          float *out, int64_t ldo, int64_t n,
                                                                          const int MR) {
-    const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
-    const QV_I m4 = QV_B8(0x0F);
-    const QV_F neg = QV_BF(-0.0f);
     QV_F part[QG_SMALL_MAX][8];
     for (int m = 0; m < MR; ++m)
         for (int j = 0; j < 8; ++j) part[m][j] = QV_ZEROF();
@@ -96,82 +175,14 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
     // where row m's block b starts: its bytes at m * qm + b * qb, its floats at m * fm + b * fb
     const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
     const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
-    // K-quants: a super-block's header, then its slices (qg_pk_kpiece); the others: blocks
-    const int64_t khdr = qg_pk_kpiece(qtype, 1), kslice = qg_pk_kpiece(qtype, 0);
-    const int64_t sbb = khdr + 8 * kslice;
     for (int64_t b = 0; b < a->nb; ++b) {
-        QV_F ws, coef, coef1 = QV_ZEROF();
-        QV_I sc0 = QV_ZERO(), sc1 = QV_ZERO();
-        const uint8_t *wq;
-        int64_t gs = blk;  // from a piece of the first group to the second's (16 lanes)
-        if (qtype == QG_Q6_K || qg_k4like(qtype)) {
-            const uint8_t *sp = pp + (b / 8) * sbb * QG_PAIR, *sb = sp + h * khdr;
-            const uint8_t *sl = sp + QG_PAIR * khdr + (QG_PAIR * (b % 8) + h) * kslice;
-            gs = kslice;
-            if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales, -32 * d * sc
-                ws = QV_PH(sb, khdr);
-                sc0 = QV_I8(sl, kslice);
-                sc1 = QV_I8(sl + 8, kslice);
-                const QV_F d32 = QV_MULF(QV_BF(-32.f), ws);
-                coef = QV_MULF(d32, QV_CVTF(sc0));
-                coef1 = QV_MULF(d32, QV_CVTF(sc1));
-#ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
-                sc0 = QV_OR(QV_AND(sc0, QV_B32(0xFFFF)), QV_SLLI32(sc0, 16));
-                sc1 = QV_OR(QV_AND(sc1, QV_B32(0xFFFF)), QV_SLLI32(sc1, 16));
-#endif
-            } else {  // as qg_scalars: d * sc, -(dmin * mn)
-                const QV_F sc = QV_CVTF(QV_U8(sl, kslice)), mn = QV_CVTF(QV_U8(sl + 8, kslice));
-                ws = QV_MULF(QV_PH(sb, khdr), sc);
-                coef = QV_XORF(QV_MULF(QV_PH(sb + 16, khdr), mn), neg);
-            }
-            wq = sl + 16;
-        } else {
-            const uint8_t *p = pp + (b * QG_PAIR + h) * blk;
-            ws = QV_PH(p, blk);
-            coef = qg_min32(qtype)   ? QV_PH(p + 16, blk)
-                   : qg_off32(qtype) ? QV_MULF(QV_BF((float)-qg_off32(qtype)), ws)
-                                     : QV_ZEROF();
-            wq = p + hdr;
-        }
-        (void)gs;
-#if QV_W == 16
-        // the pair's bytes 4 KB ahead, as many as this block reads: without, one to 8 rows
-        // waited on memory and ran 0.56-1.2x the 256-bit kernel's speed (0.95-1.7x with)
-        for (int64_t o = 0; o < 2 * gs; o += 64) _mm_prefetch((const char *)wq + 4096 + o, _MM_HINT_T0);
-#endif
-        QV_I u[8];
+        QV_F ws, coef, coef1;
+        QV_I sc0, sc1, u[8];
         QV_SG sg[8];
-        if (qtype == QG_Q8_0) {
-            for (int g = 0; g < 8; ++g) {
-                const QV_I v = QV_LOADW(wq + 32 * g, gs);
-                u[g] = QV_ABS8(v);
-                sg[g] = QV_SG_OF(v, wq + 32 * g);
-            }
-        } else if (qtype == QG_Q6_K) {
-            const QV_I m2 = QV_B8(0x03), hq[2] = {QV_LOADW(wq + 128, gs), QV_LOADW(wq + 160, gs)};
-            for (int h = 0; h < 4; ++h) {
-                const QV_I v = QV_LOADW(wq + 32 * h, gs);
-                u[h] = QV_AND(v, m4);
-                u[h + 4] = QV_AND(QV_SRLI16(v, 4), m4);
-            }
-            for (int g = 0; g < 8; ++g) {  // weights 4g..4g+3: bits 2 * (g / 2) of vector g % 2
-                const QV_I t = QV_AND(QV_SRLI16(hq[g % 2], 2 * (g / 2)), m2);
-                u[g] = QV_OR(u[g], QV_SLLI16(t, 4));
-            }
-        } else {
-            for (int h = 0; h < 4; ++h) {
-                const QV_I v = QV_LOADW(wq + 32 * h, gs);
-                u[h] = QV_AND(v, m4);
-                u[h + 4] = QV_AND(QV_SRLI16(v, 4), m4);
-            }
-            if (qg_five(qtype)) {  // bit g of the fifth-bit vector: weights 4g..4g+3
-                const QV_I hv = QV_LOADW(wq + 128, gs);
-                for (int g = 0; g < 8; ++g) u[g] = QV_OR(u[g], QV_BIT_TO4(hv, g));
-            }
-        }
+        QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &coef1, &sc0, &sc1, u, sg);
         if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0) {  // Q8_0 split: 0.96x
             for (int m = 0; m < MR; ++m)
-                QV_NAME(qg_pk_add)(qtype, &part[m][b % 8],
+                QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8],
                                    QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1),
                                    ws, coef, coef1, a, m * fm + b * fb);
             continue;
@@ -183,7 +194,7 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
         for (int m = 0; m < MR; ++m)
             idot[m] = QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1);
         for (int m = 0; m < MR; ++m)
-            QV_NAME(qg_pk_add)(qtype, &part[m][b % 8], idot[m], ws, coef, coef1, a, m * fm + b * fb);
+            QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8], idot[m], ws, coef, coef1, a, m * fm + b * fb);
     }
     for (int m = 0; m < MR; ++m) {
         const QV_F *P = part[m];
@@ -191,6 +202,92 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
                                              QV_ADDF(QV_ADDF(P[4], P[5]), QV_ADDF(P[6], P[7]))));
     }
 }
+
+#if QV_W == 16
+// The integer dots of one activation row's block (x) with two pairs' weights (u0, u1; not
+// Q8_0): as qg_pk_idot's for each, every broadcast of x meeting both.
+static inline __attribute__((always_inline)) void QV_NAME(qg_pk_idot2)(const int qtype, const QV_I u0[8],
+                                                                      const QV_I u1[8], const int8_t *x,
+                                                                      const QV_I sc[4], QV_I acc[2]) {
+    QV_I a0 = QV_ZERO(), a1 = QV_ZERO(), b0 = QV_ZERO(), b1 = QV_ZERO();
+    for (int g = 0; g < 8; ++g) {  // a: weights 0-15, b: 16-31 (Q6_K: its halves; 5 bits: h1)
+        const QV_I bx = QV_BCAST4(x + 4 * g);
+        if (g < 4 || qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q4_K) {
+            a0 = QV_DPBUSD(a0, u0[g], bx);
+            a1 = QV_DPBUSD(a1, u1[g], bx);
+        } else {
+            b0 = QV_DPBUSD(b0, u0[g], bx);
+            b1 = QV_DPBUSD(b1, u1[g], bx);
+        }
+    }
+    if (qtype == QG_Q6_K) {
+        acc[0] = QV_ADD32(QV_MULLO32(a0, sc[0]), QV_MULLO32(b0, sc[1]));
+        acc[1] = QV_ADD32(QV_MULLO32(a1, sc[2]), QV_MULLO32(b1, sc[3]));
+    } else {
+        acc[0] = QV_ADD32(a0, b0);
+        acc[1] = QV_ADD32(a1, b1);
+    }
+}
+
+// qg_rows_packed for two pairs of groups at once (pp and the next pair's bytes, output rows
+// n .. n + 31; qg_quad): each broadcast of an activation row's bytes meets 32 weight rows
+// (prompt passes were bound by the broadcasts' loads and the multiplies beside them). Each
+// lane's operations and order are qg_rows_packed's: the same bits. MR: at most
+// QG_SMALL_MAX / 2 rows, whose partial sums (32 KB) then stay in L1.
+static inline __attribute__((always_inline)) void QV_NAME(qg_rows_quad)(const int qtype, const uint8_t *pp,
+                                                                       const qg_act *a, float *out,
+                                                                       int64_t ldo, int64_t n, const int MR) {
+    const int64_t row_bytes = a->K / qg_block_size(qtype) * qg_block_bytes(qtype);
+    const uint8_t *pp1 = pp + (int64_t)QG_PAIR * 8 * qg_pk_row_bytes(qtype, a->K, row_bytes);
+    // P_j of row m's pair p at part[j * ps + 2 * m + p]: a block's sums are one run of bytes
+    // (as [m][j] they fell in 8 of L1's 64 sets), the runs no multiple of 4 KB apart (a store
+    // to one and a load from the next looked dependent). From QG_SPLIT_MIN rows a sum starts
+    // at its first block's value (0 + v_b, no load: zeroing 32 KB a call cost 4% of a
+    // prompt's matmuls).
+    const int ps = 2 * MR + 1, split = MR >= QG_SPLIT_MIN;
+    QV_F part[8 * (QG_SMALL_MAX + 1)];
+    QV_I idot[QG_SMALL_MAX];  // a block's integer dots, pair p's at p * MR
+    for (int j = split ? (int)(a->nb < 8 ? a->nb : 8) : 0; j < 8; ++j)  // (sums no block adds to)
+        for (int i = 0; i < 2 * MR; ++i) part[j * ps + i] = QV_ZEROF();
+    const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
+    const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        QV_F ws[2], coef[2], coef1[2];
+        QV_I sc[4], u0[8], u1[8];
+        QV_SG sg[8];
+        QV_NAME(qg_pk_block)(qtype, pp, 0, b, &ws[0], &coef[0], &coef1[0], &sc[0], &sc[1], u0, sg);
+        QV_NAME(qg_pk_block)(qtype, pp1, 0, b, &ws[1], &coef[1], &coef1[1], &sc[2], &sc[3], u1, sg);
+        QV_F *pb = part + (b % 8) * ps;
+        if (!split) {
+            for (int m = 0; m < MR; ++m) {
+                QV_I acc[2];
+                QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, acc);
+                for (int p = 0; p < 2; ++p)
+                    QV_NAME(qg_pk_add)(qtype, 0, pb + 2 * m + p, acc[p], ws[p], coef[p], coef1[p], a, m * fm + b * fb);
+            }
+            continue;
+        }
+        for (int m = 0; m < MR; ++m) {
+            QV_I acc[2];
+            QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, acc);
+            idot[m] = acc[0];
+            idot[MR + m] = acc[1];
+        }
+        const int first = b < 8;
+        for (int m = 0; m < MR; ++m)
+            for (int p = 0; p < 2; ++p)
+                QV_NAME(qg_pk_add)(qtype, first, pb + 2 * m + p, idot[p * MR + m], ws[p], coef[p], coef1[p], a,
+                                   m * fm + b * fb);
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int p = 0; p < 2; ++p) {
+            const QV_F *P = part + 2 * m + p;
+            QV_STOREF(out + m * ldo + n + 16 * p,
+                      QV_ADDF(QV_ADDF(QV_ADDF(P[0], P[ps]), QV_ADDF(P[2 * ps], P[3 * ps])),
+                              QV_ADDF(QV_ADDF(P[4 * ps], P[5 * ps]), QV_ADDF(P[6 * ps], P[7 * ps]))));
+        }
+}
+#endif
 
 #undef QV_W
 #undef QV_I
