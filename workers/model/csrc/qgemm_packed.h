@@ -5,11 +5,12 @@
 // Every lane does the same operations in the same order at either width, so a row's bits
 // do not depend on which width ran it.
 
-// The integer dots of one activation row's block (x: its 32 bytes) with the groups' weight
-// rows (lanes), their weights unpacked in u (Q8_0: their magnitudes, sg their signs).
+// The integer dots of one activation row's block (x: its 32 bytes; o0, o1: its Q6_K
+// offsets) with the groups' weight rows (lanes), their weights unpacked in u (Q8_0: their
+// magnitudes, sg their signs).
 static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int qtype, const QV_I u[8],
                                                                      const int8_t *x, const QV_SG sg[8],
-                                                                     QV_I sc0, QV_I sc1) {
+                                                                     QV_I sc0, QV_I sc1, int32_t o0, int32_t o1) {
     QV_I acc = QV_ZERO();
     if (qtype == QG_Q8_0) {  // |w| against x with w's sign; one pair fills 16 bits
         for (int g = 0; g < 8; ++g) {
@@ -24,8 +25,9 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
         QV_I h[2];
         for (int k = 0; k < 2; ++k) {
             const QV_I sc = k ? sc1 : sc0;
-#ifdef QG_VNNI
-            QV_I p = QV_ZERO();
+            const int32_t o = k ? o1 : o0;
+#ifdef QG_VNNI  // the half's sum starts at its offset
+            QV_I p = QV_B32(o);
             for (int g = 4 * k; g < 4 * k + 4; ++g) p = QV_DPBUSD(p, u[g], QV_BCAST4(x + 4 * g));
             h[k] = QV_MULLO32(p, sc);
 #else
@@ -33,7 +35,9 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
                                     QV_MADDUBS(u[4 * k + 1], QV_BCAST4(x + 16 * k + 4)));
             const QV_I r = QV_ADD16(QV_MADDUBS(u[4 * k + 2], QV_BCAST4(x + 16 * k + 8)),
                                     QV_MADDUBS(u[4 * k + 3], QV_BCAST4(x + 16 * k + 12)));
-            h[k] = QV_ADD32(QV_MADD(p, sc), QV_MADD(r, sc));
+            // the offset times the scale as a 32-bit lane (madd of sc's two 16-bit copies by
+            // 1 and 0; rows share it, so it leaves their loop)
+            h[k] = QV_ADD32(QV_ADD32(QV_MADD(p, sc), QV_MADD(r, sc)), QV_MULLO32(QV_B32(o), QV_MADD(sc, QV_B32(1))));
 #endif
         }
         acc = QV_ADD32(h[0], h[1]);
@@ -51,35 +55,28 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
     return acc;
 }
 
-// v_b of the lanes (idot: their integer dots; the activation row's scalars at f) added into
+// v_b of the lanes (idot: their integer dots; d, s: the activation row's scalars) added into
 // their partial sum P (first: P not yet written, its first term).
 static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int qtype, const int first, QV_F *P, QV_I acc,
-                                                                    QV_F ws, QV_F coef, QV_F coef1,
-                                                                    const qg_act *a, int64_t f) {
-    QV_F v = QV_MULF(QV_CVTF(acc), QV_MULF(ws, QV_BF(a->d[f])));
-    if (qtype == QG_Q6_K) {
-        v = QV_FMA(coef, QV_BF(a->s0[f]), v);
-        v = QV_FMA(coef1, QV_BF(a->s1[f]), v);
-    } else if (qtype != QG_Q8_0) {
-        v = QV_FMA(coef, QV_BF(a->s[f]), v);
-    }
+                                                                    QV_F ws, QV_F coef, float d, float s) {
+    QV_F v = QV_MULF(QV_CVTF(acc), QV_MULF(ws, QV_BF(d)));
+    if (qtype != QG_Q8_0 && qtype != QG_Q6_K) v = QV_FMA(coef, QV_BF(s), v);
     *P = QV_ADDF(first ? QV_ZEROF() : *P, v);  // first: P's first term, as 0 + v
 }
 
-// Block b of the group at pp (h: which of its pair): the lanes' float factors (ws, coef,
-// coef1), Q6_K's 16-weight scales (sc0, sc1) and the weights unpacked for the integer dots
-// (u; Q8_0: their magnitudes, sg their signs).
+// Block b of the group at pp (h: which of its pair): the lanes' float factors (ws, coef),
+// Q6_K's 16-weight scales (sc0, sc1) and the weights unpacked for the integer dots (u; Q8_0:
+// their magnitudes, sg their signs).
 static inline __attribute__((always_inline)) void QV_NAME(qg_pk_block)(const int qtype, const uint8_t *pp,
                                                                       const int h, int64_t b, QV_F *ws,
-                                                                      QV_F *coef, QV_F *coef1, QV_I *sc0,
-                                                                      QV_I *sc1, QV_I u[8], QV_SG sg[8]) {
+                                                                      QV_F *coef, QV_I *sc0, QV_I *sc1,
+                                                                      QV_I u[8], QV_SG sg[8]) {
     const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
     const QV_I m4 = QV_B8(0x0F);
     const QV_F neg = QV_BF(-0.0f);
     // K-quants: a super-block's header, then its slices (qg_pk_kpiece); the others: blocks
     const int64_t khdr = qg_pk_kpiece(qtype, 1), kslice = qg_pk_kpiece(qtype, 0);
     const int64_t sbb = khdr + 8 * kslice;
-    *coef1 = QV_ZEROF();
     *sc0 = *sc1 = QV_ZERO();
     const uint8_t *wq;
     int64_t gs = blk;  // from a piece of the first group to the second's (16 lanes)
@@ -87,13 +84,11 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_pk_block)(const int
         const uint8_t *sp = pp + (b / 8) * sbb * QG_PAIR, *sb = sp + h * khdr;
         const uint8_t *sl = sp + QG_PAIR * khdr + (QG_PAIR * (b % 8) + h) * kslice;
         gs = kslice;
-        if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales, -32 * d * sc
+        if (qtype == QG_Q6_K) {  // as qg_scalars: d, the halves' scales
             *ws = QV_PH(sb, khdr);
+            *coef = QV_ZEROF();
             *sc0 = QV_I8(sl, kslice);
             *sc1 = QV_I8(sl + 8, kslice);
-            const QV_F d32 = QV_MULF(QV_BF(-32.f), *ws);
-            *coef = QV_MULF(d32, QV_CVTF(*sc0));
-            *coef1 = QV_MULF(d32, QV_CVTF(*sc1));
 #ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
             *sc0 = QV_OR(QV_AND(*sc0, QV_B32(0xFFFF)), QV_SLLI32(*sc0, 16));
             *sc1 = QV_OR(QV_AND(*sc1, QV_B32(0xFFFF)), QV_SLLI32(*sc1, 16));
@@ -175,16 +170,21 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
     // where row m's block b starts: its bytes at m * qm + b * qb, its floats at m * fm + b * fb
     const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
     const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
+    // the activation's arrays in locals, which the vector stores (may_alias) cannot change
+    const float *ad = a->d, *as = a->s;
+    const int32_t *ao0 = a->o0, *ao1 = a->o1;
     for (int64_t b = 0; b < a->nb; ++b) {
-        QV_F ws, coef, coef1;
+        QV_F ws, coef;
         QV_I sc0, sc1, u[8];
         QV_SG sg[8];
-        QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &coef1, &sc0, &sc1, u, sg);
+        QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &sc0, &sc1, u, sg);
         if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0) {  // Q8_0 split: 0.96x
-            for (int m = 0; m < MR; ++m)
+            for (int m = 0; m < MR; ++m) {
+                const int64_t f = m * fm + b * fb;
                 QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8],
-                                   QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1),
-                                   ws, coef, coef1, a, m * fm + b * fb);
+                                   QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1, ao0[f], ao1[f]),
+                                   ws, coef, ad[f], as[f]);
+            }
             continue;
         }
         // Every row's integer dots, then every row's float steps: two short chains a row
@@ -192,9 +192,11 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
         // 64-512 rows, 1.05-1.3x at 4-48 with the weights streamed from memory by 2 threads
         // as decode reads them; at 2-3 rows no faster).
         for (int m = 0; m < MR; ++m)
-            idot[m] = QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1);
+            idot[m] = QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1, ao0[m * fm + b * fb],
+                                          ao1[m * fm + b * fb]);
         for (int m = 0; m < MR; ++m)
-            QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8], idot[m], ws, coef, coef1, a, m * fm + b * fb);
+            QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8], idot[m], ws, coef, ad[m * fm + b * fb],
+                               as[m * fm + b * fb]);
     }
     for (int m = 0; m < MR; ++m) {
         const QV_F *P = part[m];
@@ -204,12 +206,18 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
 }
 
 #if QV_W == 16
-// The integer dots of one activation row's block (x) with two pairs' weights (u0, u1; not
-// Q8_0): as qg_pk_idot's for each, every broadcast of x meeting both.
+// The integer dots of one activation row's block (x; o0, o1: its Q6_K offsets) with two
+// pairs' weights (u0, u1; not Q8_0): as qg_pk_idot's for each, every broadcast of x meeting
+// both.
 static inline __attribute__((always_inline)) void QV_NAME(qg_pk_idot2)(const int qtype, const QV_I u0[8],
                                                                       const QV_I u1[8], const int8_t *x,
-                                                                      const QV_I sc[4], QV_I acc[2]) {
+                                                                      const QV_I sc[4], int32_t o0, int32_t o1,
+                                                                      QV_I acc[2]) {
     QV_I a0 = QV_ZERO(), a1 = QV_ZERO(), b0 = QV_ZERO(), b1 = QV_ZERO();
+    if (qtype == QG_Q6_K) {  // its halves' sums start at their offsets
+        a0 = a1 = QV_B32(o0);
+        b0 = b1 = QV_B32(o1);
+    }
     for (int g = 0; g < 8; ++g) {  // a: weights 0-15, b: 16-31 (Q6_K: its halves; 5 bits: h1)
         const QV_I bx = QV_BCAST4(x + 4 * g);
         if (g < 4 || qtype == QG_Q4_0 || qtype == QG_Q4_1 || qtype == QG_Q4_K) {
@@ -251,33 +259,37 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_quad)(const in
         for (int i = 0; i < 2 * MR; ++i) part[j * ps + i] = QV_ZEROF();
     const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
     const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
+    const float *ad = a->d, *as = a->s;  // (as qg_rows_packed)
+    const int32_t *ao0 = a->o0, *ao1 = a->o1;
     for (int64_t b = 0; b < a->nb; ++b) {
-        QV_F ws[2], coef[2], coef1[2];
+        QV_F ws[2], coef[2];
         QV_I sc[4], u0[8], u1[8];
         QV_SG sg[8];
-        QV_NAME(qg_pk_block)(qtype, pp, 0, b, &ws[0], &coef[0], &coef1[0], &sc[0], &sc[1], u0, sg);
-        QV_NAME(qg_pk_block)(qtype, pp1, 0, b, &ws[1], &coef[1], &coef1[1], &sc[2], &sc[3], u1, sg);
+        QV_NAME(qg_pk_block)(qtype, pp, 0, b, &ws[0], &coef[0], &sc[0], &sc[1], u0, sg);
+        QV_NAME(qg_pk_block)(qtype, pp1, 0, b, &ws[1], &coef[1], &sc[2], &sc[3], u1, sg);
         QV_F *pb = part + (b % 8) * ps;
         if (!split) {
             for (int m = 0; m < MR; ++m) {
+                const int64_t f = m * fm + b * fb;
                 QV_I acc[2];
-                QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, acc);
+                QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, ao0[f], ao1[f], acc);
                 for (int p = 0; p < 2; ++p)
-                    QV_NAME(qg_pk_add)(qtype, 0, pb + 2 * m + p, acc[p], ws[p], coef[p], coef1[p], a, m * fm + b * fb);
+                    QV_NAME(qg_pk_add)(qtype, 0, pb + 2 * m + p, acc[p], ws[p], coef[p], ad[f], as[f]);
             }
             continue;
         }
         for (int m = 0; m < MR; ++m) {
             QV_I acc[2];
-            QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, acc);
+            QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, ao0[m * fm + b * fb], ao1[m * fm + b * fb],
+                                 acc);
             idot[m] = acc[0];
             idot[MR + m] = acc[1];
         }
         const int first = b < 8;
         for (int m = 0; m < MR; ++m)
             for (int p = 0; p < 2; ++p)
-                QV_NAME(qg_pk_add)(qtype, first, pb + 2 * m + p, idot[p * MR + m], ws[p], coef[p], coef1[p], a,
-                                   m * fm + b * fb);
+                QV_NAME(qg_pk_add)(qtype, first, pb + 2 * m + p, idot[p * MR + m], ws[p], coef[p],
+                                   ad[m * fm + b * fb], as[m * fm + b * fb]);
     }
     for (int m = 0; m < MR; ++m)
         for (int p = 0; p < 2; ++p) {
