@@ -79,6 +79,9 @@ static inline int qg_five(int qtype) { return qtype == QG_Q5_0 || qtype == QG_Q5
 // Q4_0 and Q5_0: unsigned quants minus a fixed offset (8, 16), taken off through the
 // activation sums: coef = -offset * d.
 static inline int qg_off32(int qtype) { return qtype == QG_Q4_0 ? 8 : qtype == QG_Q5_0 ? 16 : 0; }
+// whether a block's float step adds coef times the activation's sum (Q6_K's offsets are
+// taken off in integers, Q8_0 has none)
+static inline int qg_sum_term(int qtype) { return qtype != QG_Q8_0 && qtype != QG_Q6_K; }
 // The interleaved layout from QG_INTER_MIN rows on, and never where every weight has its
 // repacked copy (qgemm_pack); the row-major layout's passes take QG_SMALL_MAX rows.
 // QG_BLOCKED_MIN: from this many rows the copy's path reads a block-major copy of the
@@ -239,6 +242,17 @@ static inline int8_t *qg_act_at(const qg_act *a, int64_t m, int64_t b, int j) {
     return a->q + (((m / 8) * a->nb + b) * 8 + j) * 32 + (m % 8) * 4;
 }
 
+// The view v from its row m0 on (row-major or, blocked, a pass block by block): its bytes
+// and per-block arrays advanced m0 rows (the caller sets M).
+static inline void qg_act_skip(qg_act *v, int64_t m0) {
+    const int64_t qm = v->blocked ? QG_QK : v->K, fm = v->blocked ? 1 : v->nb;
+    v->q += m0 * qm;
+    v->d += m0 * fm;
+    v->s += m0 * fm;
+    v->o0 += m0 * fm;
+    v->o1 += m0 * fm;
+}
+
 static inline int64_t qg_act_f(const qg_act *a, int64_t m, int64_t b) {
     return a->inter ? ((m / 8) * a->nb + b) * 8 + m % 8 : m * a->nb + b;
 }
@@ -308,6 +322,7 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     _mm256_store_si256((__m256i *)q, qv);
 #endif
     const float d = amax / 127.f, ds = d * (float)(s0 + s1);
+    const int32_t o0 = -32 * s0, o1 = -32 * s1;
     if (a->inter) {
         for (int j = 0; j < 8; ++j) memcpy(qg_act_at(a, m, b, j), q + 4 * j, 4);
     } else {
@@ -315,8 +330,8 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     }
     a->d[f] = d;
     a->s[f] = ds;
-    a->o0[f] = -32 * s0;
-    a->o1[f] = -32 * s1;
+    a->o0[f] = o0;
+    a->o1[f] = o1;
     if (a->bq && m < a->M) {  // its pass's block-major copy
         const int64_t m0 = m / QG_SMALL_MAX * QG_SMALL_MAX;
         const int64_t mp = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
@@ -324,8 +339,8 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
         memcpy(a->bq + g * QG_QK, q, QG_QK);
         a->bd[g] = d;
         a->bs[g] = ds;
-        a->bo0[g] = -32 * s0;
-        a->bo1[g] = -32 * s1;
+        a->bo0[g] = o0;
+        a->bo1[g] = o1;
     }
 }
 
@@ -533,7 +548,7 @@ static inline int32_t qg_idot(int qtype, const qg_wblk *w, const int8_t *xq /* 3
 // v_b of one row
 static inline float qg_bval(int qtype, const qg_wblk *w, int32_t idot, const qg_act *a, int64_t f) {
     float v = (float)idot * (w->ws * a->d[f]);
-    if (qtype != QG_Q8_0 && qtype != QG_Q6_K) v = fmaf(w->coef, a->s[f], v);
+    if (qg_sum_term(qtype)) v = fmaf(w->coef, a->s[f], v);
     return v;
 }
 
@@ -636,7 +651,7 @@ static inline __attribute__((always_inline)) __m256i qg_idot8(int qtype, const q
 static inline __attribute__((always_inline)) __m256 qg_bval8(int qtype, __m256i idot, __m256 ws,
                                                              __m256 coef, const qg_act *a, int64_t f) {
     __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(ws, _mm256_loadu_ps(a->d + f)));
-    if (qtype != QG_Q8_0 && qtype != QG_Q6_K) v = _mm256_fmadd_ps(coef, _mm256_loadu_ps(a->s + f), v);
+    if (qg_sum_term(qtype)) v = _mm256_fmadd_ps(coef, _mm256_loadu_ps(a->s + f), v);
     return v;
 }
 
@@ -656,7 +671,8 @@ static inline __attribute__((always_inline)) void qg_row_inter(int qtype, const 
         const __m256 ws = _mm256_set1_ps(wb.ws), coef = _mm256_set1_ps(wb.coef);
         for (int g = 0; g < NG; ++g) {
             const int64_t f = ((g0 + g) * a->nb + b) * 8;
-            const __m256 v = qg_bval8(qtype, qg_idot8(qtype, &wb, a->q + f * 32, a->o0 + f, a->o1 + f), ws, coef, a, f);
+            const __m256i idot = qg_idot8(qtype, &wb, a->q + f * 32, a->o0 + f, a->o1 + f);
+            const __m256 v = qg_bval8(qtype, idot, ws, coef, a, f);
             part[g][b % 8] = _mm256_add_ps(part[g][b % 8], v);
         }
     }
@@ -921,7 +937,7 @@ static inline __attribute__((always_inline)) void qg_tail_chunk(int qtype, const
         const int64_t f = m * a->nb + bt;  // + 8 floats of room past the last row
         const __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(a->d + f), gather);
         __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(qg_tot8(qtype, u, sg, scv, xp)), _mm256_mul_ps(ws, d));
-        if (qtype != QG_Q8_0)  // as qg_bval8
+        if (qg_sum_term(qtype))  // as qg_bval8
             v = _mm256_fmadd_ps(coef, _mm256_permutevar8x32_ps(_mm256_loadu_ps(a->s + f), gather), v);
         for (int k = 0; k < r; ++k)
             part[k][m] = _mm256_add_ps(part[k][m], _mm256_and_ps(_mm256_permutevar8x32_ps(v, pl->to[k]), mask));
@@ -1067,9 +1083,9 @@ static inline __m512i qg_bit_to4_512(__m512i v, int g) {
 #include "qgemm_packed.h"
 #endif
 
-// Whether a pass takes two pairs of groups at once (qg_rows_packed's NP 2): each broadcast
-// of the activations then meets 32 weight rows. Prompt passes (weights cached by the pass
-// before) gain 1.06-1.2x; at decode's row counts, the weights streamed from memory, Q6_K's
+// Whether a pass takes two pairs of groups at once (qg_rows_quad): each broadcast of the
+// activations then meets 32 weight rows. Prompt passes (weights cached by the pass before)
+// gained 1.07-1.22x; at decode's row counts, the weights streamed from memory, Q6_K's
 // 32 rows (more registers than there are) lose 0.82-0.94x and the others gain from 32 rows.
 // Q8_0, whose signs are applied per product, loses 0.84x.
 static inline int qg_quad(int qtype, const qg_act *a) {
@@ -1099,12 +1115,7 @@ static inline __attribute__((always_inline)) void qg_groups_packed(const int qty
         if (h == 0 && g + 3 < g1 && qg_quad(qtype, a)) {  // two whole pairs
             for (int64_t m0 = 0; m0 < a->M; m0 += QG_QUAD_ROWS) {
                 qg_act v2 = *a;
-                const int64_t qm = a->blocked ? QG_QK : a->K, fm = a->blocked ? 1 : a->nb;
-                v2.q += m0 * qm;
-                v2.d += m0 * fm;
-                v2.s += m0 * fm;
-                v2.o0 += m0 * fm;
-                v2.o1 += m0 * fm;
+                qg_act_skip(&v2, m0);
                 const int mr = (int)(a->M - m0 < QG_QUAD_ROWS ? a->M - m0 : QG_QUAD_ROWS);
                 qg_rows_quad_16(qtype, pp, &v2, out + m0 * ldo, ldo, 8 * g, mr);
             }
@@ -1192,11 +1203,7 @@ static void qg_rows(int qtype, const uint8_t *w, const uint8_t *wp, int64_t n0, 
             v.M = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
             v.G = (v.M + 7) / 8;
             v.pass = 1;
-            v.q = a->q + m0 * a->K;
-            v.d = a->d + f;
-            v.s = a->s + f;
-            v.o0 = a->o0 + f;
-            v.o1 = a->o1 + f;
+            qg_act_skip(&v, m0);
             if (a->bq) {  // passes before this one are whole: it starts m0 rows in
                 v.bq = a->bq + m0 * a->K;
                 v.bd = a->bd + f;

@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
 static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int qtype, const int first, QV_F *P, QV_I acc,
                                                                     QV_F ws, QV_F coef, float d, float s) {
     QV_F v = QV_MULF(QV_CVTF(acc), QV_MULF(ws, QV_BF(d)));
-    if (qtype != QG_Q8_0 && qtype != QG_Q6_K) v = QV_FMA(coef, QV_BF(s), v);
+    if (qg_sum_term(qtype)) v = QV_FMA(coef, QV_BF(s), v);
     *P = QV_ADDF(first ? QV_ZEROF() : *P, v);  // first: P's first term, as 0 + v
 }
 
