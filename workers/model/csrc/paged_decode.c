@@ -302,6 +302,39 @@ static inline __attribute__((always_inline)) void row_v2(const float *sr0, const
 }
 #endif
 
+#ifdef KV_W512
+// row_v for four rows over the same keys (D <= 64, C even; the query heads of one position
+// that share a KV head): each row's operations as row_v's, so its bits. Each V slice is
+// loaded once for the four; row_v2's pairs load it once per two FMAs, and loads bound them
+// (a 512-token prompt chunk's attention at D = 64 ran 1.05-1.07x faster with fours).
+static inline __attribute__((always_inline)) void row_v4(float (*s)[MAX_BS + 8], float *acc, const float *corr,
+                                                         int64_t r, int64_t j, int64_t je, const float *run,
+                                                         int64_t jb, int64_t vstride, const int64_t C,
+                                                         const int64_t D) {
+    const int64_t cn = C / 2;
+    __m512 a[4][4];
+    for (int i = 0; i < 4; ++i) {
+        for (int64_t c = 0; c < cn; ++c) a[i][c] = _mm512_loadu_ps(acc + (r + i) * D + 16 * c);
+        if (corr[i] != 1.f) {
+            const __m512 cv = _mm512_set1_ps(corr[i]);
+            for (int64_t c = 0; c < cn; ++c) a[i][c] = _mm512_mul_ps(a[i][c], cv);
+        }
+    }
+    for (int64_t jj = j; jj < je; ++jj) {
+        const float *vj = run + (jj - jb) * vstride;
+        __m512 p[4];
+        for (int i = 0; i < 4; ++i) p[i] = _mm512_set1_ps(s[r + i][jj]);
+        for (int64_t c = 0; c < cn; ++c) {
+            __m512 vv = _mm512_loadu_ps(vj + 16 * c);
+            __asm__("" : "+v"(vv));  // one load for the four rows, not one folded into each FMA
+            for (int i = 0; i < 4; ++i) a[i][c] = _mm512_fmadd_ps(p[i], vv, a[i][c]);
+        }
+    }
+    for (int i = 0; i < 4; ++i)
+        for (int64_t c = 0; c < cn; ++c) _mm512_storeu_ps(acc + (r + i) * D + 16 * c, a[i][c]);
+}
+#endif
+
 // R query rows (pre-scaled at qs, sums at acc, rows D apart) against one span at key t0:
 // row r sees its keys j0 .. nr[r]-1, whose K and V rows lie in runs of `run` rows (run i
 // at kb[i] and vb[i], rows `stride` floats apart). Scores, then each row's softmax step,
@@ -331,6 +364,14 @@ static inline __attribute__((always_inline)) void span_rows(float (*s)[MAX_BS + 
             if (jb >= nr[r]) continue;
             const int64_t js = j0 > jb ? j0 : jb, je = (nr[r] - jb) < run ? nr[r] : jb + run;
 #ifdef KV_W512
+            if (C % 2 == 0 && C <= 8 && r + 3 < R && nr[r + 1] == nr[r] && nr[r + 2] == nr[r] &&
+                nr[r + 3] == nr[r]) {  // four rows over the same keys
+                float c4[4];
+                for (int i = 0; i < 4; ++i) c4[i] = jb == jr ? corr[r + i] : 1.f;
+                row_v4(s, acc, c4, r, js, je, vb[jb / run], jb, stride, C, D);
+                r += 3;
+                continue;
+            }
             if (C % 2 == 0 && C < 16 && r + 1 < R && nr[r + 1] == nr[r]) {  // a pair over the same keys
                 row_v2(s[r], s[r + 1], acc + r * D, acc + (r + 1) * D, jb == jr ? corr[r] : 1.f,
                        jb == jr ? corr[r + 1] : 1.f, js, je, vb[jb / run], jb, stride, C);
