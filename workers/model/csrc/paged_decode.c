@@ -264,56 +264,20 @@ static inline __attribute__((always_inline)) void row_v(const float *sr, float *
 }
 
 #ifdef KV_W512
-// row_v for two rows over the same keys (C even, D < 128): each row's operations as
-// row_v's, so its bits; the two rows' sums are independent chains, where one row's few
-// accumulators (4 at D = 64) leave the FMA units waiting on each key's previous sum, and
-// each V row is loaded once for both (prompt tiles at D = 64: 1.07x; at D = 128 a row has
-// 8 chains of its own and pairs ran no faster).
-static inline __attribute__((always_inline)) void row_v2(const float *sr0, const float *sr1, float *acc0,
-                                                         float *acc1, float corr0, float corr1, int64_t j,
-                                                         int64_t je, const float *run, int64_t jb,
-                                                         int64_t vstride, const int64_t C) {
-    const __m512 cv0 = _mm512_set1_ps(corr0), cv1 = _mm512_set1_ps(corr1);
-    for (int64_t cg = 0; cg < C / 2; cg += 8) {
-        const int64_t cn = (C / 2 - cg) < 8 ? (C / 2 - cg) : 8;
-        __m512 a[8], b[8];
-        for (int64_t c = 0; c < cn; ++c) {
-            a[c] = _mm512_loadu_ps(acc0 + 16 * (cg + c));
-            b[c] = _mm512_loadu_ps(acc1 + 16 * (cg + c));
-        }
-        if (corr0 != 1.f)
-            for (int64_t c = 0; c < cn; ++c) a[c] = _mm512_mul_ps(a[c], cv0);
-        if (corr1 != 1.f)
-            for (int64_t c = 0; c < cn; ++c) b[c] = _mm512_mul_ps(b[c], cv1);
-        for (int64_t jj = j; jj < je; ++jj) {
-            const float *vj = run + (jj - jb) * vstride + 16 * cg;
-            const __m512 p0 = _mm512_set1_ps(sr0[jj]), p1 = _mm512_set1_ps(sr1[jj]);
-            for (int64_t c = 0; c < cn; ++c) {
-                const __m512 vv = _mm512_loadu_ps(vj + 16 * c);
-                a[c] = _mm512_fmadd_ps(p0, vv, a[c]);
-                b[c] = _mm512_fmadd_ps(p1, vv, b[c]);
-            }
-        }
-        for (int64_t c = 0; c < cn; ++c) {
-            _mm512_storeu_ps(acc0 + 16 * (cg + c), a[c]);
-            _mm512_storeu_ps(acc1 + 16 * (cg + c), b[c]);
-        }
-    }
-}
-#endif
-
-#ifdef KV_W512
-// row_v for four rows over the same keys (D <= 64, C even; the query heads of one position
-// that share a KV head): each row's operations as row_v's, so its bits. Each V slice is
-// loaded once for the four; row_v2's pairs load it once per two FMAs, and loads bound them
-// (a 512-token prompt chunk's attention at D = 64 ran 1.05-1.07x faster with fours).
-static inline __attribute__((always_inline)) void row_v4(float (*s)[MAX_BS + 8], float *acc, const float *corr,
-                                                         int64_t r, int64_t j, int64_t je, const float *run,
-                                                         int64_t jb, int64_t vstride, const int64_t C,
-                                                         const int64_t D) {
+// row_v for N rows r .. r + N - 1 over the same keys (C even; N = 4 at D <= 64, 2 below
+// D = 128): each row's operations as row_v's, so its bits. One row has C / 2 sums (4 at
+// D = 64), too few chains to keep the FMA units busy; rows together have more, and each V
+// slice is loaded once for all N (pairs that loaded it once per FMA were bound by the loads:
+// a 512-token prompt chunk's attention at D = 64 ran 1.05-1.07x faster in fours than in
+// such pairs; pairs gained 1.07x over single rows; at D = 128 a row has 8 chains of its own
+// and pairs ran no faster).
+static inline __attribute__((always_inline)) void row_vn(float (*s)[MAX_BS + 8], float *acc, const float *corr,
+                                                         int64_t r, const int N, int64_t j, int64_t je,
+                                                         const float *run, int64_t jb, int64_t vstride,
+                                                         const int64_t C, const int64_t D) {
     const int64_t cn = C / 2;
-    __m512 a[4][4];
-    for (int i = 0; i < 4; ++i) {
+    __m512 a[4][8];
+    for (int i = 0; i < N; ++i) {
         for (int64_t c = 0; c < cn; ++c) a[i][c] = _mm512_loadu_ps(acc + (r + i) * D + 16 * c);
         if (corr[i] != 1.f) {
             const __m512 cv = _mm512_set1_ps(corr[i]);
@@ -323,14 +287,14 @@ static inline __attribute__((always_inline)) void row_v4(float (*s)[MAX_BS + 8],
     for (int64_t jj = j; jj < je; ++jj) {
         const float *vj = run + (jj - jb) * vstride;
         __m512 p[4];
-        for (int i = 0; i < 4; ++i) p[i] = _mm512_set1_ps(s[r + i][jj]);
+        for (int i = 0; i < N; ++i) p[i] = _mm512_set1_ps(s[r + i][jj]);
         for (int64_t c = 0; c < cn; ++c) {
             __m512 vv = _mm512_loadu_ps(vj + 16 * c);
-            __asm__("" : "+v"(vv));  // one load for the four rows, not one folded into each FMA
-            for (int i = 0; i < 4; ++i) a[i][c] = _mm512_fmadd_ps(p[i], vv, a[i][c]);
+            __asm__("" : "+v"(vv));  // one load for the N rows, not one folded into each FMA
+            for (int i = 0; i < N; ++i) a[i][c] = _mm512_fmadd_ps(p[i], vv, a[i][c]);
         }
     }
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < N; ++i)
         for (int64_t c = 0; c < cn; ++c) _mm512_storeu_ps(acc + (r + i) * D + 16 * c, a[i][c]);
 }
 #endif
@@ -364,18 +328,15 @@ static inline __attribute__((always_inline)) void span_rows(float (*s)[MAX_BS + 
             if (jb >= nr[r]) continue;
             const int64_t js = j0 > jb ? j0 : jb, je = (nr[r] - jb) < run ? nr[r] : jb + run;
 #ifdef KV_W512
-            if (C % 2 == 0 && C <= 8 && r + 3 < R && nr[r + 1] == nr[r] && nr[r + 2] == nr[r] &&
-                nr[r + 3] == nr[r]) {  // four rows over the same keys
-                float c4[4];
-                for (int i = 0; i < 4; ++i) c4[i] = jb == jr ? corr[r + i] : 1.f;
-                row_v4(s, acc, c4, r, js, je, vb[jb / run], jb, stride, C, D);
-                r += 3;
-                continue;
-            }
-            if (C % 2 == 0 && C < 16 && r + 1 < R && nr[r + 1] == nr[r]) {  // a pair over the same keys
-                row_v2(s[r], s[r + 1], acc + r * D, acc + (r + 1) * D, jb == jr ? corr[r] : 1.f,
-                       jb == jr ? corr[r + 1] : 1.f, js, je, vb[jb / run], jb, stride, C);
-                ++r;
+            // rows over the same keys: the query heads of one position that share the KV head
+            const int n4 = C <= 8 && r + 3 < R && nr[r + 1] == nr[r] && nr[r + 2] == nr[r] && nr[r + 3] == nr[r];
+            const int N = C % 2 || C >= 16 ? 1 : n4 ? 4 : r + 1 < R && nr[r + 1] == nr[r] ? 2 : 1;
+            if (N > 1) {
+                float cr[4];
+                for (int i = 0; i < N; ++i) cr[i] = jb == jr ? corr[r + i] : 1.f;
+                if (N == 4) row_vn(s, acc, cr, r, 4, js, je, vb[jb / run], jb, stride, C, D);
+                else row_vn(s, acc, cr, r, 2, js, je, vb[jb / run], jb, stride, C, D);
+                r += N - 1;
                 continue;
             }
 #endif
