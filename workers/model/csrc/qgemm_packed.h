@@ -6,11 +6,12 @@
 // do not depend on which width ran it.
 
 // The integer dots of one activation row's block (x: its 32 bytes; o0, o1: its Q6_K
-// offsets) with the groups' weight rows (lanes), their weights unpacked in u (Q8_0: their
-// magnitudes, sg their signs).
+// offsets, o16 both over 32 as one word's halves) with the groups' weight rows (lanes), their
+// weights unpacked in u (Q8_0: their magnitudes, sg their signs).
 static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int qtype, const QV_I u[8],
                                                                      const int8_t *x, const QV_SG sg[8],
-                                                                     QV_I sc0, QV_I sc1, int32_t o0, int32_t o1) {
+                                                                     QV_I sc0, QV_I sc1, QV_I sc01, int32_t o0,
+                                                                     int32_t o1, int32_t o16) {
     QV_I acc = QV_ZERO();
     if (qtype == QG_Q8_0) {  // |w| against x with w's sign; one pair fills 16 bits
         for (int g = 0; g < 8; ++g) {
@@ -25,9 +26,8 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
         QV_I h[2];
         for (int k = 0; k < 2; ++k) {
             const QV_I sc = k ? sc1 : sc0;
-            const int32_t o = k ? o1 : o0;
 #ifdef QG_VNNI  // the half's sum starts at its offset
-            QV_I p = QV_B32(o);
+            QV_I p = QV_B32(k ? o1 : o0);
             for (int g = 4 * k; g < 4 * k + 4; ++g) p = QV_DPBUSD(p, u[g], QV_BCAST4(x + 4 * g));
             h[k] = QV_MULLO32(p, sc);
 #else
@@ -35,12 +35,18 @@ static inline __attribute__((always_inline)) QV_I QV_NAME(qg_pk_idot)(const int 
                                     QV_MADDUBS(u[4 * k + 1], QV_BCAST4(x + 16 * k + 4)));
             const QV_I r = QV_ADD16(QV_MADDUBS(u[4 * k + 2], QV_BCAST4(x + 16 * k + 8)),
                                     QV_MADDUBS(u[4 * k + 3], QV_BCAST4(x + 16 * k + 12)));
-            // the offset times the scale as a 32-bit lane (madd of sc's two 16-bit copies by
-            // 1 and 0; rows share it, so it leaves their loop)
-            h[k] = QV_ADD32(QV_ADD32(QV_MADD(p, sc), QV_MADD(r, sc)), QV_MULLO32(QV_B32(o), QV_MADD(sc, QV_B32(1))));
+            h[k] = QV_ADD32(QV_MADD(p, sc), QV_MADD(r, sc));
 #endif
         }
         acc = QV_ADD32(h[0], h[1]);
+#ifndef QG_VNNI  // both halves' offsets in one madd: 32 (sc0 o0 / 32 + sc1 o1 / 32), exact
+        acc = QV_ADD32(acc, QV_SLLI32(QV_MADD(sc01, QV_B32(o16)), 5));
+        (void)o0;
+        (void)o1;
+#else
+        (void)sc01;
+        (void)o16;
+#endif
     } else if (qg_five(qtype)) {  // 4 x 2 products of 5 bits fill 16 bits
         QV_I h1 = QV_ZERO();
         for (int g = 0; g < 4; ++g) {
@@ -65,19 +71,19 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_pk_add)(const int q
 }
 
 // Block b of the group at pp (h: which of its pair): the lanes' float factors (ws, coef),
-// Q6_K's 16-weight scales (sc0, sc1) and the weights unpacked for the integer dots (u; Q8_0:
-// their magnitudes, sg their signs).
+// Q6_K's 16-weight scales (sc0, sc1; without VNNI also both as the halves of one word, sc01)
+// and the weights unpacked for the integer dots (u; Q8_0: their magnitudes, sg their signs).
 static inline __attribute__((always_inline)) void QV_NAME(qg_pk_block)(const int qtype, const uint8_t *pp,
                                                                       const int h, int64_t b, QV_F *ws,
                                                                       QV_F *coef, QV_I *sc0, QV_I *sc1,
-                                                                      QV_I u[8], QV_SG sg[8]) {
+                                                                      QV_I *sc01, QV_I u[8], QV_SG sg[8]) {
     const int64_t blk = 8 * qg_block_bytes(qtype), hdr = qg_pk_hdr(qtype);
     const QV_I m4 = QV_B8(0x0F);
     const QV_F neg = QV_BF(-0.0f);
     // K-quants: a super-block's header, then its slices (qg_pk_kpiece); the others: blocks
     const int64_t khdr = qg_pk_kpiece(qtype, 1), kslice = qg_pk_kpiece(qtype, 0);
     const int64_t sbb = khdr + 8 * kslice;
-    *sc0 = *sc1 = QV_ZERO();
+    *sc0 = *sc1 = *sc01 = QV_ZERO();
     const uint8_t *wq;
     int64_t gs = blk;  // from a piece of the first group to the second's (16 lanes)
     if (qtype == QG_Q6_K || qg_k4like(qtype)) {
@@ -90,6 +96,7 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_pk_block)(const int
             *sc0 = QV_I8(sl, kslice);
             *sc1 = QV_I8(sl + 8, kslice);
 #ifndef QG_VNNI  // madd's 16-bit factors: the row's scale in both halves of its lane
+            *sc01 = QV_OR(QV_AND(*sc0, QV_B32(0xFFFF)), QV_SLLI32(*sc1, 16));
             *sc0 = QV_OR(QV_AND(*sc0, QV_B32(0xFFFF)), QV_SLLI32(*sc0, 16));
             *sc1 = QV_OR(QV_AND(*sc1, QV_B32(0xFFFF)), QV_SLLI32(*sc1, 16));
 #endif
@@ -172,17 +179,18 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
     const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
     // the activation's arrays in locals, which the vector stores (may_alias) cannot change
     const float *ad = a->d, *as = a->s;
-    const int32_t *ao0 = a->o0, *ao1 = a->o1;
+    const int32_t *ao0 = a->o0, *ao1 = a->o1, *ao16 = a->o16;
     for (int64_t b = 0; b < a->nb; ++b) {
         QV_F ws, coef;
-        QV_I sc0, sc1, u[8];
+        QV_I sc0, sc1, sc01, u[8];
         QV_SG sg[8];
-        QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &sc0, &sc1, u, sg);
+        QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &sc0, &sc1, &sc01, u, sg);
         if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0) {  // Q8_0 split: 0.96x
             for (int m = 0; m < MR; ++m) {
                 const int64_t f = m * fm + b * fb;
                 QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8],
-                                   QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1, ao0[f], ao1[f]),
+                                   QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1, sc01, ao0[f],
+                                                       ao1[f], ao16[f]),
                                    ws, coef, ad[f], as[f]);
             }
             continue;
@@ -192,8 +200,8 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
         // 64-512 rows, 1.05-1.3x at 4-48 with the weights streamed from memory by 2 threads
         // as decode reads them; at 2-3 rows no faster).
         for (int m = 0; m < MR; ++m)
-            idot[m] = QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1, ao0[m * fm + b * fb],
-                                          ao1[m * fm + b * fb]);
+            idot[m] = QV_NAME(qg_pk_idot)(qtype, u, a->q + m * qm + b * qb, sg, sc0, sc1, sc01, ao0[m * fm + b * fb],
+                                          ao1[m * fm + b * fb], ao16[m * fm + b * fb]);
         for (int m = 0; m < MR; ++m)
             QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8], idot[m], ws, coef, ad[m * fm + b * fb],
                                as[m * fm + b * fb]);
@@ -263,10 +271,10 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_quad)(const in
     const int32_t *ao0 = a->o0, *ao1 = a->o1;
     for (int64_t b = 0; b < a->nb; ++b) {
         QV_F ws[2], coef[2];
-        QV_I sc[4], u0[8], u1[8];
+        QV_I sc[4], sc01, u0[8], u1[8];  // (sc01: builds without VNNI, which have no quad)
         QV_SG sg[8];
-        QV_NAME(qg_pk_block)(qtype, pp, 0, b, &ws[0], &coef[0], &sc[0], &sc[1], u0, sg);
-        QV_NAME(qg_pk_block)(qtype, pp1, 0, b, &ws[1], &coef[1], &sc[2], &sc[3], u1, sg);
+        QV_NAME(qg_pk_block)(qtype, pp, 0, b, &ws[0], &coef[0], &sc[0], &sc[1], &sc01, u0, sg);
+        QV_NAME(qg_pk_block)(qtype, pp1, 0, b, &ws[1], &coef[1], &sc[2], &sc[3], &sc01, u1, sg);
         QV_F *pb = part + (b % 8) * ps;
         if (!split) {
             for (int m = 0; m < MR; ++m) {
