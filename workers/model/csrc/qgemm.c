@@ -335,8 +335,6 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
 #endif
     const float d = amax / 127.f, ds = d * (float)(s0 + s1);
     const int32_t o0 = -32 * s0, o1 = -32 * s1;
-    const int32_t o16 = (int32_t)(((uint32_t)-s0 & 0xFFFFu) | ((uint32_t)-s1 << 16));  // |s| <= 16 x 127
-    (void)o16;
     if (a->inter) {
         for (int j = 0; j < 8; ++j) memcpy(qg_act_at(a, m, b, j), q + 4 * j, 4);
     } else {
@@ -346,7 +344,8 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     a->s[f] = ds;
     a->o0[f] = o0;
     a->o1[f] = o1;
-#ifdef QG_O16
+#ifdef QG_O16  // o0 / 32 and o1 / 32 as one word's halves (|s| <= 16 x 127)
+    const int32_t o16 = (int32_t)(((uint32_t)-s0 & 0xFFFFu) | ((uint32_t)-s1 << 16));
     a->o16[f] = o16;
 #endif
     if (a->bq && m < a->M) {  // its pass's block-major copy
