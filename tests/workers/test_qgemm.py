@@ -201,6 +201,34 @@ def test_repacked_rows_give_the_scalar_references_bits(lib, qtype: str) -> None:
                     assert torch.equal(_packed(b, qw, x, threads), want), (k, m, threads)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
+def test_activations_quantized_16_blocks_at_once_keep_the_portable_bits(lib, qtype: str) -> None:
+    """512-bit builds quantize a row's activations 16 blocks at once (their maxima and sums
+    folded together): every block's bytes, scale, sum and Q6_K offsets as the portable
+    build's one block at a time, in both copies the repacked kernel reads (row-major, and
+    block by block from 16 rows); blocks of zeros, one negative value, tiny and huge
+    values; K of 40 blocks (two runs of 16 and 8 one by one), 1, 17 and 70 rows."""
+    portable = require_kernel("decode_step", load_decode_step(PORTABLE))
+    rng = np.random.default_rng([*qtype.encode(), 9])
+    k = 1280
+    raw = random_blocks(qtype, 24, k, rng)
+    qw = QuantizedWeight(qtype, torch.from_numpy(raw), (24, k))
+    for m in (1, 17, 70):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        x[:, 5] *= 40
+        x[0, 32 * 3:32 * 4] = 0  # a block of zeros: scale 0
+        x[0, 32 * 17:32 * 18] = 0
+        x[0, 32 * 17 + 9] = -5.0  # its max a negative value
+        x[m - 1, 32 * 20:32 * 21] *= 1e-30
+        x[m - 1, 32 * 31:32 * 32] *= 1e30
+        if m > 1:
+            x[1] = 0
+        want = _ref(portable, qw, x, interleaved=False)
+        assert torch.isfinite(want).all()
+        for b in _simd_builds(lib):
+            assert torch.equal(_packed(b, qw, x, 2), want), m
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_threads_share_reads_the_repacked_copy(lib, qtype: str) -> None:
     """With the copy zeroed, every row comes out zero whatever the thread count: the rows

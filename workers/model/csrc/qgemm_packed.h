@@ -185,7 +185,11 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
         QV_I sc0, sc1, sc01, u[8];
         QV_SG sg[8];
         QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &sc0, &sc1, &sc01, u, sg);
-        if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0) {  // Q8_0 split: 0.96x
+        // The split below, not for Q8_0 (0.96x) nor at 16 lanes, where a row's 512-bit dots and
+        // its float steps' multiplies share two pipes and the split's stores and loads of the
+        // dots bought no overlap (without: Q6_K 1.04-1.07x at 4-64 rows, weights streamed from
+        // memory; the others level or better)
+        if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0 || QV_W == 16) {
             for (int m = 0; m < MR; ++m) {
                 const int64_t f = m * fm + b * fb;
                 QV_NAME(qg_pk_add)(qtype, 0, &part[m][b % 8],
@@ -249,7 +253,10 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_pk_idot2)(const int
 // n .. n + 31; qg_quad): each broadcast of an activation row's bytes meets 32 weight rows
 // (prompt passes were bound by the broadcasts' loads and the multiplies beside them). Each
 // lane's operations and order are qg_rows_packed's: the same bits. MR: at most
-// QG_SMALL_MAX / 2 rows, whose partial sums (32 KB) then stay in L1.
+// QG_QUAD_ROWS rows. A row's integer dots go straight into its float steps: storing every
+// row's dots and reading them back for the float steps (qg_rows_packed's split) cost this
+// kernel 1.07-1.10x (Q5_K, Q6_K) at 512 rows, where its 512-bit dots and the float steps'
+// multiplies share two pipes and the stores and loads bought no overlap.
 static inline __attribute__((always_inline)) void QV_NAME(qg_rows_quad)(const int qtype, const uint8_t *pp,
                                                                        const qg_act *a, float *out,
                                                                        int64_t ldo, int64_t n, const int MR) {
@@ -257,13 +264,11 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_quad)(const in
     const uint8_t *pp1 = pp + (int64_t)QG_PAIR * 8 * qg_pk_row_bytes(qtype, a->K, row_bytes);
     // P_j of row m's pair p at part[j * ps + 2 * m + p]: a block's sums are one run of bytes
     // (as [m][j] they fell in 8 of L1's 64 sets), the runs no multiple of 4 KB apart (a store
-    // to one and a load from the next looked dependent). From QG_SPLIT_MIN rows a sum starts
-    // at its first block's value (0 + v_b, no load: zeroing 32 KB a call cost 4% of a
-    // prompt's matmuls).
-    const int ps = 2 * MR + 1, split = MR >= QG_SPLIT_MIN;
-    QV_F part[8 * (QG_SMALL_MAX + 1)];
-    QV_I idot[QG_SMALL_MAX];  // a block's integer dots, pair p's at p * MR
-    for (int j = split ? (int)(a->nb < 8 ? a->nb : 8) : 0; j < 8; ++j)  // (sums no block adds to)
+    // to one and a load from the next looked dependent). A sum starts at its first block's
+    // value (0 + v_b, no load: zeroing the sums a call cost 4% of a prompt's matmuls).
+    const int ps = 2 * MR + 1;
+    QV_F part[8 * (2 * QG_QUAD_ROWS + 1)];
+    for (int j = (int)(a->nb < 8 ? a->nb : 8); j < 8; ++j)  // (sums no block adds to)
         for (int i = 0; i < 2 * MR; ++i) part[j * ps + i] = QV_ZEROF();
     const int64_t qm = a->blocked ? QG_QK : a->K, qb = a->blocked ? a->M * QG_QK : QG_QK;
     const int64_t fm = a->blocked ? 1 : a->nb, fb = a->blocked ? a->M : 1;
@@ -276,28 +281,14 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_quad)(const in
         QV_NAME(qg_pk_block)(qtype, pp, 0, b, &ws[0], &coef[0], &sc[0], &sc[1], &sc01, u0, sg);
         QV_NAME(qg_pk_block)(qtype, pp1, 0, b, &ws[1], &coef[1], &sc[2], &sc[3], &sc01, u1, sg);
         QV_F *pb = part + (b % 8) * ps;
-        if (!split) {
-            for (int m = 0; m < MR; ++m) {
-                const int64_t f = m * fm + b * fb;
-                QV_I acc[2];
-                QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, ao0[f], ao1[f], acc);
-                for (int p = 0; p < 2; ++p)
-                    QV_NAME(qg_pk_add)(qtype, 0, pb + 2 * m + p, acc[p], ws[p], coef[p], ad[f], as[f]);
-            }
-            continue;
-        }
-        for (int m = 0; m < MR; ++m) {
-            QV_I acc[2];
-            QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, ao0[m * fm + b * fb], ao1[m * fm + b * fb],
-                                 acc);
-            idot[m] = acc[0];
-            idot[MR + m] = acc[1];
-        }
         const int first = b < 8;
-        for (int m = 0; m < MR; ++m)
+        for (int m = 0; m < MR; ++m) {
+            const int64_t f = m * fm + b * fb;
+            QV_I acc[2];
+            QV_NAME(qg_pk_idot2)(qtype, u0, u1, a->q + m * qm + b * qb, sc, ao0[f], ao1[f], acc);
             for (int p = 0; p < 2; ++p)
-                QV_NAME(qg_pk_add)(qtype, first, pb + 2 * m + p, idot[p * MR + m], ws[p], coef[p],
-                                   ad[m * fm + b * fb], as[m * fm + b * fb]);
+                QV_NAME(qg_pk_add)(qtype, first, pb + 2 * m + p, acc[p], ws[p], coef[p], ad[f], as[f]);
+        }
     }
     for (int m = 0; m < MR; ++m)
         for (int p = 0; p < 2; ++p) {
