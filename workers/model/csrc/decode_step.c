@@ -381,8 +381,7 @@ int decode_step(const ds_model *md, float *x, int64_t B, const int64_t *pos, con
                     }
                     float *am = s.actf + m * I;
                     ds_act(am + c0, s.tmp + m * 2 * I + c0, s.tmp + m * 2 * I + I + c0, c1 - c0, ly->act);
-                    if (!exact)
-                        for (int64_t u = u0; u < u1; ++u) qg_quantize_block(&Bq, am + u * QG_QK, m, u);
+                    if (!exact) qg_quantize_run(&Bq, am + u0 * QG_QK, m, u0, u1);
                 }
             }
 #pragma omp barrier

@@ -95,7 +95,7 @@ static inline int qg_sum_term(int qtype) { return qtype != QG_Q8_0 && qtype != Q
 // integer dots for every row before their float steps (qg_rows_packed). QG_QUAD_MIN: from
 // this many rows the 512-bit kernel takes two pairs of weight groups at once (qg_quad), in
 // runs of QG_QUAD_ROWS rows: a pass's rows unpack each weight block once (their partial
-// sums, 64 KB, then spill from L1 to L2: still 1.02-1.04x over runs of 32 rows, whose sums
+// sums, 64 KB, then spill from L1 to L2: still 1.01-1.04x over runs of 32 rows, whose sums
 // stayed in L1; 16 or 24 rows: 0.95-1x).
 enum { QG_QK = 32, QG_QKK = 256, QG_INTER_MIN = 7, QG_SMALL_MAX = 64, QG_BLOCKED_MIN = 16, QG_SPLIT_MIN = 4 };
 enum { QG_QUAD_MIN = 32, QG_QUAD_ROWS = QG_SMALL_MAX };
@@ -452,16 +452,20 @@ static void qg_quantize_16(const qg_act *a, const float *x, int64_t m, int64_t b
 #undef QG_ADDI_PS
 #endif
 
+// Quantize blocks [b0, b1) of row m from the floats at x (block b0's; NULL: a padding row
+// of the last group, zeros).
+static void qg_quantize_run(const qg_act *a, const float *x, int64_t m, int64_t b0, int64_t b1) {
+    int64_t b = b0;
+#if defined(QG_W512)
+    if (x && !a->inter)
+        for (; b + 16 <= b1; b += 16) qg_quantize_16(a, x + (b - b0) * QG_QK, m, b);
+#endif
+    for (; b < b1; ++b) qg_quantize_block(a, x ? x + (b - b0) * QG_QK : NULL, m, b);
+}
+
 // Quantize rows [m0, m1) of x (row stride ldx); rows past M in the last group are zeros.
 static void qg_quantize_rows(const qg_act *a, const float *x, int64_t ldx, int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-        int64_t b = 0;
-#if defined(QG_W512)
-        if (!a->inter && m < a->M)
-            for (; b + 16 <= a->nb; b += 16) qg_quantize_16(a, x + m * ldx + b * QG_QK, m, b);
-#endif
-        for (; b < a->nb; ++b) qg_quantize_block(a, m < a->M ? x + m * ldx + b * QG_QK : NULL, m, b);
-    }
+    for (int64_t m = m0; m < m1; ++m) qg_quantize_run(a, m < a->M ? x + m * ldx : NULL, m, 0, a->nb);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void QV_NAME(qg_rows_packed)(const 
         QV_NAME(qg_pk_block)(qtype, pp, h, b, &ws, &coef, &sc0, &sc1, &sc01, u, sg);
         // The split below, not for Q8_0 (0.96x) nor at 16 lanes, where a row's 512-bit dots and
         // its float steps' multiplies share two pipes and the split's stores and loads of the
-        // dots bought no overlap (without: Q6_K 1.04-1.07x at 4-64 rows, weights streamed from
+        // dots bought no overlap (without: Q6_K 1.02-1.12x at 4-64 rows, weights streamed from
         // memory; the others level or better)
         if (MR < QG_SPLIT_MIN || qtype == QG_Q8_0 || QV_W == 16) {
             for (int m = 0; m < MR; ++m) {
