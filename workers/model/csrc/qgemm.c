@@ -271,6 +271,15 @@ static inline int64_t qg_act_f(const qg_act *a, int64_t m, int64_t b) {
     return a->inter ? ((m / 8) * a->nb + b) * 8 + m % 8 : m * a->nb + b;
 }
 
+// Where row m's block b lies in its pass's block-major copy (bq, in blocks; [block][row of the
+// pass]); mp (if not NULL): the pass's rows, from one block to the next.
+static inline int64_t qg_bq_at(const qg_act *a, int64_t m, int64_t b, int64_t *mp) {
+    const int64_t m0 = m / QG_SMALL_MAX * QG_SMALL_MAX;
+    const int64_t rows = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
+    if (mp) *mp = rows;
+    return m0 * a->nb + b * rows + (m - m0);
+}
+
 // Quantize block b of row m from the 32 floats at xb; NULL (a padding row of the last
 // group) stores zeros.
 static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64_t b) {
@@ -351,9 +360,7 @@ static void qg_quantize_block(const qg_act *a, const float *xb, int64_t m, int64
     a->o16[f] = o16;
 #endif
     if (a->bq && m < a->M) {  // its pass's block-major copy
-        const int64_t m0 = m / QG_SMALL_MAX * QG_SMALL_MAX;
-        const int64_t mp = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
-        const int64_t g = m0 * a->nb + b * mp + (m - m0);
+        const int64_t g = qg_bq_at(a, m, b, NULL);
         memcpy(a->bq + g * QG_QK, q, QG_QK);
         a->bd[g] = d;
         a->bs[g] = ds;
@@ -420,12 +427,8 @@ static void qg_quantize_16(const qg_act *a, const float *x, int64_t m, int64_t b
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const int64_t f = m * a->nb + b;
     int8_t *q = a->q + m * a->K + b * QG_QK;
-    int64_t g = 0, mp = 0;  // the block-major copy: block b's row at g, the next block's mp rows on
-    if (a->bq) {
-        const int64_t m0 = m / QG_SMALL_MAX * QG_SMALL_MAX;
-        mp = a->M - m0 < QG_SMALL_MAX ? a->M - m0 : QG_SMALL_MAX;
-        g = m0 * a->nb + b * mp + (m - m0);
-    }
+    int64_t mp = 0;  // the block-major copy: block b's row at g, the next block's mp rows on
+    const int64_t g = a->bq ? qg_bq_at(a, m, b, &mp) : 0;
     for (int i = 0; i < 16; i += 2) {
         const __m512i p = _mm512_permutexvar_epi32(
             order, _mm512_packs_epi16(_mm512_packs_epi32(w[2 * i], w[2 * i + 1]),
